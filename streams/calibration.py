@@ -1,0 +1,69 @@
+"""Online TTFT calibrator (domain §2.13.3, rules §7, decision §8.6).
+
+Ratios actual / raw-prediction are kept in 200-sample windows keyed by (model, chip family, prefill
+source) and (model, prefill source), so ratios learned against the static chain never scale a
+newly trusted median. The applied ratio is the (model, family, source) median once it has 50
+observations, else the (model, source) median at 50, else 1.0; clamped to [0.2, 1.5].
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .rings import SampleRing
+
+WINDOW = 200
+WARM_UP = 50
+RATIO_MIN, RATIO_MAX = 0.2, 1.5
+PREDICTION_TTL_MS = 10 * 60 * 1000
+MAX_PREDICTIONS = 8192
+
+
+class TtftCalibrator:
+    __slots__ = ("by_family", "by_model", "predictions", "observations")
+
+    def __init__(self):
+        self.by_family: dict[tuple[str, str, str], SampleRing] = {}
+        self.by_model: dict[tuple[str, str], SampleRing] = {}
+        # (request_id, attempt) -> (model, family, source, raw_ms, at_ms); insertion = time order
+        self.predictions: OrderedDict[tuple[str, int], tuple[str, str, str, float, float]] = OrderedDict()
+        self.observations = 0
+
+    def ratio(self, model: str, family: str, source: str) -> float:
+        ring = self.by_family.get((model, family, source))
+        if ring is None or len(ring) < WARM_UP:
+            ring = self.by_model.get((model, source))
+            if ring is None or len(ring) < WARM_UP:
+                return 1.0
+        return min(RATIO_MAX, max(RATIO_MIN, ring.median))
+
+    @staticmethod
+    def apply(raw: float, state_penalty: float, ratio: float) -> float:
+        if raw <= 0 or ratio == 1.0:
+            return raw
+        if 0 <= state_penalty < raw:
+            return state_penalty + (raw - state_penalty) * ratio
+        return raw
+
+    def note_prediction(self, key: tuple[str, int], model: str, family: str, source: str,
+                        raw: float, now: float) -> None:
+        self.predictions.pop(key, None)
+        self.predictions[key] = (model, family, source, raw, now)
+        while len(self.predictions) > MAX_PREDICTIONS:
+            self.predictions.popitem(last=False)
+
+    def observe(self, key: tuple[str, int], actual_ms: float, now: float) -> bool:
+        """Feed one measured TTFT; True if it reached a window."""
+        note = self.predictions.pop(key, None)
+        if note is None or not actual_ms > 0 or actual_ms == float("inf"):
+            return False
+        model, family, source, raw, at = note
+        if now - at >= PREDICTION_TTL_MS or raw <= 0:
+            return False
+        ratio = actual_ms / raw
+        for table, k in ((self.by_family, (model, family, source)), (self.by_model, (model, source))):
+            ring = table.get(k)
+            if ring is None:
+                ring = table[k] = SampleRing(WINDOW)
+            ring.record(ratio)
+        self.observations += 1
+        return True

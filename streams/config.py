@@ -27,8 +27,8 @@ class ConfigError(ValueError):
 
 
 # --- value parsers -------------------------------------------------------------------------------
-_TRUE = {"true", "1", "yes", "on", "t", "y"}
-_FALSE = {"false", "0", "no", "off", "f", "n"}
+_TRUE = {"true", "1", "yes", "on"}
+_FALSE = {"false", "0", "no", "off"}
 
 
 def _bool(raw: str) -> bool:

@@ -291,7 +291,9 @@ class ProviderState:
             any_budget=any(s.budget_max > 0 for s in slots))
         return backend, trips
 
-    def apply_metrics(self, event: dict) -> None:
+    @staticmethod
+    def parse_metrics(event: dict) -> tuple:
+        """Validate a heartbeat's status and system metrics: (status, thermal, pressure, cpu, warm)."""
         status = _string(event.get("status"), "status") or "idle"
         if status not in STATUSES:
             raise ProviderEventError("bad_status", status[:32])
@@ -302,11 +304,12 @@ class ProviderState:
         warm = event.get("warm_models") or []
         if len(warm) > MAX_MODELS:
             raise ProviderEventError("too_many_models", str(len(warm)))
-        self.status = status
-        self.thermal = thermal
-        self.memory_pressure = clamp_float(sm.get("memory_pressure"), 0.0, 1.0)
-        self.cpu_usage = clamp_float(sm.get("cpu_usage"), 0.0, 1.0)
-        self.warm_models = tuple(_string(w, "warm_models[]") for w in warm)
+        return (status, thermal, clamp_float(sm.get("memory_pressure"), 0.0, 1.0),
+                clamp_float(sm.get("cpu_usage"), 0.0, 1.0),
+                tuple(_string(w, "warm_models[]") for w in warm))
+
+    def set_metrics(self, metrics: tuple) -> None:
+        self.status, self.thermal, self.memory_pressure, self.cpu_usage, self.warm_models = metrics
 
     # --- box concurrency (domain §2.7) ------------------------------------------------------------
     def box_max_concurrency(self, config: Config) -> int:

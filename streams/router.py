@@ -205,15 +205,17 @@ class Router:
         state = ProviderState(event, self.config, self.now)  # validates first
         if self._duplicate_event(state.session):
             return
-        if state.provider_id in self.providers:
+        released = False
+        if state.provider_id in self.providers:  # a new session: the old one's reservations go
             self.counters["provider_new_session"] += 1
-            self._drop_provider(state.provider_id, out, drain=False)
+            released = self._drop_provider(state.provider_id, out, drain=False)
         self.providers[state.provider_id] = state
         self.liveness[state.provider_id] = self.now
         for model in state.models:
             insort(self.by_model.setdefault(model, []), state.provider_id)
         self.counters["providers_registered"] += 1
-        self._drain(state, out)
+        if released:
+            self._drain(state, out)
 
     def _drop_provider(self, pid: str, out: list, drain: bool = True) -> bool:
         p = self.providers.pop(pid, None)
@@ -238,23 +240,25 @@ class Router:
         if p is None:
             self.counters["heartbeats_unknown_provider"] += 1
             return
-        backend, trips = p.parse_heartbeat(event, self.config)  # validates before any change
+        backend, trips = p.parse_heartbeat(event, self.config)  # validate before any change
+        metrics = p.parse_metrics(event)
         if self._duplicate_event(event.get("event_id")):
             return
-        p.apply_metrics(event)
         p.last_seen = self.now
         self.liveness.move_to_end(p.provider_id)
         self.liveness[p.provider_id] = self.now
         seq = event.get("seq") or 0
         if seq > 0:
-            if seq <= p.last_seq:
+            if seq <= p.last_seq:  # an old frame only proves the provider is alive
                 self.counters["heartbeats_stale_seq"] += 1
                 return
             p.last_seq = seq
+        p.set_metrics(metrics)
         p.backend = backend
         for model, reported in trips:
             self.tripwires[model] += 1
-            out.append(("Tripwire", {"provider_id": p.provider_id, "model": model, "reported": reported}))
+            out.append(("Tripwire", {"provider_id": p.provider_id, "version": p.version, "model": model,
+                                     "reported": reported}))
         if backend is not None:
             self._record_rates(p, backend.slots)
         self.counters["heartbeats_applied"] += 1
@@ -688,7 +692,7 @@ class Router:
         return self._decision(req.request_id, req.attempt, req.model, "rejected", reason, status, retry)
 
     def _decision(self, request_id, attempt, model, outcome, reason, status, retry, *, provider_id=None,
-                  ttft=0.0, source="none", cost=0.0, selected_by=None, band_members=0, scan=None):
+                  ttft=0.0, source="none", cost=0.0, selected_by="", band_members=0, scan=None):
         self.counters[f"decisions_{outcome}_{reason or 'ok'}"] += 1
         return ("RouteDecision", {
             "request_id": request_id, "attempt": attempt, "outcome": outcome,

@@ -1,0 +1,347 @@
+"""The Faust application: topics of the wire contract, ingest agents, the journal, the router agent,
+tables on RocksDB (rocksdict), the dead-letter path and `/metrics`.
+
+A thin adapter around the pure core (`streams.router`): this module reads the environment, the
+clock and Kafka; the core reads none of them. Start a worker with `faust -A app worker`.
+
+Environment (adapter settings, not routing settings):
+  KAFKA_BOOTSTRAP_SERVERS  broker list (default 127.0.0.1:9092)
+  SWITCHYARD_DATADIR       worker data dir with the RocksDB tables (default ./var/worker)
+  SWITCHYARD_WEB_PORT      web port for /metrics (default 6066)
+  SWITCHYARD_APP_ID        consumer group / app id (default switchyard)
+  SWITCHYARD_TOPIC_PREFIX  prefix for every topic name (default none; tests isolate with it)
+  EIGENINFERENCE_*         routing settings; recorded in the journal before the first decision
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+import faust
+from faust.serializers import codecs
+from faust.web import Request as WebRequest, Response, View
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from . import codec
+from .config import Config
+from .router import Router
+
+DOMAIN_KEY = b"default"  # one routing domain: the journal's (and config topic's) constant key
+MAX_DEAD_LETTER_ORIGINAL = codec.MAX_MESSAGE_BYTES - 64 * 1024
+
+
+# --- the Avro codec as a Faust codec ----------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    name: str
+    record: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    reason: str
+    detail: str
+
+
+class AvroCodec(codecs.Codec):
+    """Confluent-framed Avro. Encodes `(record_name, record)`; decoding never raises, so an agent
+    can dead-letter a bad message instead of the consumer crashing on it."""
+
+    def _dumps(self, obj) -> bytes:
+        name, record = obj
+        return codec.encode(name, record)
+
+    def _loads(self, s: bytes):
+        try:
+            return Decoded(*codec.decode(s))
+        except codec.CodecError as e:
+            return Undecodable(e.reason, e.detail)
+
+
+codecs.register("avro", AvroCodec())
+
+
+# --- app ------------------------------------------------------------------------------------------
+def _rocksdb_options() -> dict:
+    # Faust's defaults give every table partition a 2 GiB block cache; keep it small.
+    return {"driver": "rocksdict", "block_cache_size": 64 * 2**20, "write_buffer_size": 8 * 2**20,
+            "max_open_files": 256}
+
+
+app = faust.App(
+    os.environ.get("SWITCHYARD_APP_ID", "switchyard"),
+    broker="kafka://" + os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
+    store="rocksdb://",
+    datadir=os.environ.get("SWITCHYARD_DATADIR", "var/worker"),
+    web_bind="127.0.0.1",
+    web_host="127.0.0.1",
+    web_port=int(os.environ.get("SWITCHYARD_WEB_PORT", "6066")),
+    web_tables_enabled=False,
+    topic_partitions=1,
+    topic_replication_factor=1,
+    broker_session_timeout=10.0,
+    broker_heartbeat_interval=1.0,
+    stream_wait_empty=False,
+    consumer_auto_offset_reset="earliest",
+    producer_acks=-1,
+)
+
+
+BOOTSTRAP = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+TOPIC_PREFIX = os.environ.get("SWITCHYARD_TOPIC_PREFIX", "")
+
+
+def _topic(name: str, **kw):
+    # internal=True: the worker creates the topic at start if it is missing (one partition unless
+    # told otherwise), so agents never subscribe to a topic that does not exist yet.
+    return app.topic(TOPIC_PREFIX + name, key_type=bytes, value_serializer="avro",
+                     key_serializer="raw", internal=True, **kw)
+
+
+providers_topic = _topic("switchyard.providers")
+requests_topic = _topic("switchyard.requests")
+completions_topic = _topic("switchyard.completions")
+config_topic = _topic("switchyard.config")
+journal_topic = _topic("switchyard.journal", partitions=1)
+decisions_topic = _topic("switchyard.decisions")
+reservations_topic = _topic("switchyard.reservations")
+capacity_topic = _topic("switchyard.capacity")
+deadletter_topic = _topic("switchyard.deadletter")
+
+INPUTS = {
+    providers_topic.get_topic_name(): codec.PROVIDER_TYPES,
+    requests_topic.get_topic_name(): ("RouteRequest",),
+    completions_topic.get_topic_name(): ("Completion",),
+    config_topic.get_topic_name(): ("ConfigChange",),
+}
+
+# Provider sessions as the router last saw them; each value carries the journal offset that last
+# changed it (the applied-offset contract of the architecture, invariant 2).
+provider_table = app.Table("providers", default=None, partitions=1, key_type=str,
+                           options=_rocksdb_options())
+
+# --- metrics --------------------------------------------------------------------------------------
+registry = CollectorRegistry()
+EVENTS_INGESTED = Counter("switchyard_events_ingested_total", "Input events appended to the journal",
+                          ["topic", "type"], registry=registry)
+DEAD_LETTERED = Counter("switchyard_events_dead_lettered_total", "Input events refused, by reason",
+                        ["topic", "reason"], registry=registry)
+PROVIDERS_ONLINE = Gauge("switchyard_providers_online", "Provider sessions online (provider table)",
+                         registry=registry)
+PROVIDERS_ONLINE.set_function(
+    lambda: sum(1 for v in provider_table.values() if v and v.get("online")))
+JOURNAL_APPLIED = Counter("switchyard_journal_entries_applied_total", "Journal entries applied",
+                          ["type"], registry=registry)
+
+
+@app.page("/metrics")
+class Metrics(View):
+    async def get(self, request: WebRequest) -> Response:
+        return self.bytes(generate_latest(registry), content_type="text/plain; version=0.0.4")
+
+
+# --- ingest ---------------------------------------------------------------------------------------
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def ms_to_kafka_seconds(ms: int) -> float:
+    # Faust multiplies by 1000 and truncates; the half-millisecond keeps the integer exact.
+    return (ms + 0.5) / 1000.0
+
+
+async def dead_letter(message, reason: str, detail: str = "") -> None:
+    DEAD_LETTERED.labels(message.topic, reason).inc()
+    original = bytes(message.value or b"")
+    if len(original) > MAX_DEAD_LETTER_ORIGINAL:  # the dead letter itself must fit a message
+        detail = f"original truncated from {len(original)} bytes; {detail}"
+        original = original[:MAX_DEAD_LETTER_ORIGINAL]
+    await app.producer.send_and_wait(
+        deadletter_topic.get_topic_name(), key=message.key, partition=None, timestamp=None,
+        headers=None, value=codec.encode("DeadLetter", {
+            "original_key": message.key, "original_value": original, "topic": message.topic,
+            "partition": message.partition, "offset": message.offset, "reason": reason,
+            "detail": detail[:1000], "at_ms": wall_ms()}))
+
+
+def refusal(topic: str, key: bytes | None, value) -> tuple[str, str] | None:
+    """Why an input event may not enter the journal, or None. Stateless checks only: clamps and
+    semantic checks that need state live in the core (rules §4)."""
+    if isinstance(value, Undecodable):
+        return value.reason, value.detail
+    if value.name not in INPUTS[topic]:
+        return "unexpected_type", value.name
+    if topic == providers_topic.get_topic_name():
+        pid = value.record.get("provider_id") or ""
+        if key is None or key.decode("utf-8", "replace") != pid:
+            return "key_mismatch", f"key {key!r} != provider_id {pid!r}"
+    return None
+
+
+async def ingest(stream) -> None:
+    async for event in stream.events():
+        message = event.message
+        why = refusal(message.topic, message.key, event.value)
+        if why is not None:
+            await dead_letter(message, *why)
+            continue
+        # The raw bytes are already framed with their schema id: append them unchanged.
+        await app.producer.send_and_wait(
+            journal_topic.get_topic_name(), key=DOMAIN_KEY, value=bytes(message.value),
+            partition=0, timestamp=ms_to_kafka_seconds(wall_ms()), headers=None)
+        EVENTS_INGESTED.labels(message.topic, event.value.name).inc()
+
+
+for _topic_obj, _name in ((providers_topic, "ingest_providers"), (requests_topic, "ingest_requests"),
+                          (completions_topic, "ingest_completions"), (config_topic, "ingest_config")):
+    app.agent(_topic_obj, name=_name)(ingest)
+
+
+# --- the router -----------------------------------------------------------------------------------
+router = Router()
+worker_config = Config.from_env(os.environ)  # recorded in the journal before it decides anything
+
+# The settings last recorded in the journal, so a restarted worker knows whether to record its own.
+config_table = app.Table("config", default=None, partitions=1, key_type=str, options=_rocksdb_options())
+
+DECISIONS = Counter("switchyard_decisions_total", "Route decisions by outcome and reason",
+                    ["outcome", "reason"], registry=registry)
+DECISION_LATENCY = Histogram(
+    "switchyard_decision_latency_seconds", "Latency to the decision's publication",
+    ["since"], registry=registry,
+    buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+TRIPWIRES = Counter("switchyard_v2_concurrency_tripwire_total",
+                    "v2 boxes reporting max_concurrency above the ceiling", ["model"], registry=registry)
+PREFILL_SHADOW = Counter("switchyard_prefill_fallback_shadow_total",
+                         "Prefill-fallback shadow verdicts", ["decision", "gate"], registry=registry)
+BAND_SELECTIONS = Counter("switchyard_band_selections_total", "Decisions picked by the satisficing band",
+                          registry=registry)
+JOURNAL_LAG = Gauge("switchyard_journal_lag_seconds", "Wall time minus the last applied entry's time",
+                    registry=registry)
+QUEUE_DEPTH = Gauge("switchyard_queue_depth", "Requests waiting per model", ["model"], registry=registry)
+
+
+async def send_raw(topic: str, key: bytes, value: bytes) -> None:
+    await app.producer.send_and_wait(topic, key=key, value=value, partition=None, timestamp=None,
+                                     headers=None)
+
+
+async def publish(outputs: list, entry_time_ms: int, request: dict | None) -> None:
+    """Send what the core decided: decisions to their reply topic, reservations, telemetry."""
+    for kind, record in outputs:
+        if kind == "RouteDecision":
+            reply = (request or {}).get("reply_to") or decisions_topic.get_topic_name()
+            await send_raw(reply, record["request_id"].encode(), codec.encode(kind, record))
+            now = time.time()
+            DECISIONS.labels(record["outcome"], record["reason"] or "").inc()
+            DECISION_LATENCY.labels("journal_append").observe(max(0.0, now - entry_time_ms / 1000))
+            if request is not None and request.get("request_id") == record["request_id"]:
+                DECISION_LATENCY.labels("request_sent").observe(max(0.0, now - request["sent_at_ms"] / 1000))
+            if record["selected_by"] == "band":
+                BAND_SELECTIONS.inc()
+        elif kind == "Reservation":
+            await send_raw(reservations_topic.get_topic_name(), record["provider_id"].encode(),
+                           codec.encode(kind, record))
+        elif kind == "Tripwire":
+            TRIPWIRES.labels(record["model"]).inc()
+        elif kind == "PrefillShadow":
+            PREFILL_SHADOW.labels(record["decision"], record["gate"]).inc()
+
+
+def provider_summary(router: Router, pid: str, offset: int) -> dict:
+    p = router.providers.get(pid)
+    if p is None:
+        return {"online": False, "offset": offset}
+    b = p.backend
+    return {"online": True, "offset": offset, "session": p.session, "version": p.version,
+            "models": sorted(p.models), "last_seq": p.last_seq, "last_seen_ms": p.last_seen,
+            "status": p.status, "pending": len(p.pending),
+            "slots": [{"model": s.model, "state": s.state, "running": s.num_running,
+                       "max_concurrency": s.max_concurrency} for s in b.slots] if b else None}
+
+
+async def catch_up(router: Router, until: int) -> None:
+    """Fold the journal entries the core has not seen, up to (excluding) `until`, discarding their
+    outputs (they were published when first applied): the in-memory state is a pure function of
+    the journal (architecture, invariant 1). A fresh worker rebuilds this way."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=BOOTSTRAP, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        tp = TopicPartition(journal_topic.get_topic_name(), 0)
+        consumer.assign([tp])
+        consumer.seek(tp, router.offset + 1)
+        while router.offset + 1 < until:
+            batch = await consumer.getmany(tp, timeout_ms=1000, max_records=5000)
+            for record in batch.get(tp, []):
+                if record.offset >= until:
+                    break
+                try:
+                    name, value = codec.decode(record.value)
+                except codec.CodecError:
+                    router.offset = record.offset
+                    continue
+                router.apply(record.offset, record.timestamp, name, value)
+    finally:
+        await consumer.stop()
+
+
+async def append_to_journal(name: str, record: dict) -> None:
+    await app.producer.send_and_wait(
+        journal_topic.get_topic_name(), key=DOMAIN_KEY, value=codec.encode(name, record),
+        partition=0, timestamp=ms_to_kafka_seconds(wall_ms()), headers=None)
+
+
+@app.task(on_leader=True)
+async def record_worker_config() -> None:
+    """A worker whose settings differ from the last recorded ones appends a ConfigChange (rules §3):
+    a full patch, so the recorded config becomes exactly this worker's."""
+    await app.tables.recovery.completed.wait()
+    recorded = config_table.get("current")
+    if recorded is not None and recorded.get("settings") == dict(worker_config.raw):
+        return
+    patch = {name: "" for name in (recorded or {}).get("settings", {})}
+    patch.update(worker_config.raw)
+    if recorded is None and not patch:
+        patch = {}  # nothing recorded and all defaults: still record the starting config
+    await append_to_journal("ConfigChange", {
+        "config_id": worker_config.config_id, "settings": patch, "changed_at_ms": wall_ms(),
+        "author": f"worker {app.conf.id} at start"})
+
+
+@app.timer(interval=worker_config.tick_interval_ms / 1000.0, on_leader=True)
+async def tick() -> None:
+    """Ticks put time-driven work (queue timeouts, staleness) at recorded journal positions."""
+    await append_to_journal("Tick", {"at_ms": wall_ms()})
+
+
+@app.agent(journal_topic, name="router")
+async def route(stream) -> None:
+    async for event in stream.events():
+        message, value = event.message, event.value
+        offset = message.offset
+        if offset <= router.offset:  # redelivered: already applied
+            continue
+        if offset > router.offset + 1:
+            await catch_up(router, offset)
+        if isinstance(value, Undecodable):  # only this app writes the journal; count and move on
+            JOURNAL_APPLIED.labels("undecodable").inc()
+            router.offset = offset
+            continue
+        entry_ms = round(message.timestamp * 1000)
+        outputs = router.apply(offset, entry_ms, value.name, value.record)
+        JOURNAL_APPLIED.labels(value.name).inc()
+        JOURNAL_LAG.set(max(0.0, time.time() - entry_ms / 1000))
+        await publish(outputs, entry_ms, value.record if value.name == "RouteRequest" else None)
+        if value.name == "ConfigChange":
+            config_table["current"] = {"settings": dict(router.config.raw), "offset": offset,
+                                       "config_id": router.config.config_id}
+        for model in router.queues:
+            QUEUE_DEPTH.labels(model).set(len(router.queues[model]))
+        pid = value.record.get("provider_id")
+        if value.name in codec.PROVIDER_TYPES and pid:
+            stored = provider_table.get(pid)
+            if stored is None or stored.get("offset", -1) < offset:
+                provider_table[pid] = provider_summary(router, pid, offset)

@@ -8,6 +8,7 @@ Environment (adapter settings, not routing settings):
   KAFKA_BOOTSTRAP_SERVERS  broker list (default 127.0.0.1:9092)
   SWITCHYARD_DATADIR       worker data dir with the RocksDB tables (default ./var/worker)
   SWITCHYARD_WEB_PORT      web port for /metrics (default 6066)
+  SWITCHYARD_WEB_BIND      interface the web server listens on (default 127.0.0.1: not exposed)
   SWITCHYARD_APP_ID        consumer group / app id (default switchyard)
   SWITCHYARD_TOPIC_PREFIX  prefix for every topic name (default none; tests isolate with it)
   EIGENINFERENCE_*         routing settings; recorded in the journal before the first decision
@@ -76,7 +77,7 @@ app = faust.App(
     broker="kafka://" + os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
     store="rocksdb://",
     datadir=os.environ.get("SWITCHYARD_DATADIR", "var/worker"),
-    web_bind="127.0.0.1",
+    web_bind=os.environ.get("SWITCHYARD_WEB_BIND", "127.0.0.1"),
     web_host="127.0.0.1",
     web_port=int(os.environ.get("SWITCHYARD_WEB_PORT", "6066")),
     web_tables_enabled=False,

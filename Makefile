@@ -1,0 +1,30 @@
+# The README's two commands: `make demo` (the main job) and `make test` (the whole suite).
+# Both bootstrap everything they need: a virtualenv with the Python dependencies, and Apache
+# Kafka's jars through Maven (cached in ~/.cache/switchyard); Java 17 and Maven come with the machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install broker clean
+
+demo: $(STAMP)
+	$(PY) -m streams.demo $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m streams.broker fetch
+	$(PY) -m pytest $(ARGS)
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test,replay]'
+	touch $(STAMP)
+
+broker: $(STAMP)
+	$(PY) -m streams.broker run
+
+clean:
+	rm -rf $(VENV) var out .pytest_cache

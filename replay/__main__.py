@@ -1,0 +1,161 @@
+"""`python -m replay` — re-run, export, audit and explain Switchyard journals.
+
+  python -m replay run     --journal FILE.jsonl --out decisions.jsonl
+  python -m replay export  --bootstrap HOST:PORT --out journal.jsonl [--decisions-topic T] [--avro FILE]
+  python -m replay audit   --journal FILE.jsonl              (recorded decisions are lines of the file)
+  python -m replay audit   --bootstrap HOST:PORT --decisions-topic switchyard.decisions
+  python -m replay explain REQUEST_ID --journal FILE.jsonl [--json]
+
+A journal comes from a JSON Lines file (--journal) or from Kafka (--bootstrap, --topic, --partition).
+Replays start from the default settings and apply the journal's ConfigChange entries (rules §3).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from streams.jsonl import write_record
+
+from . import audit as audit_mod
+from . import explain as explain_mod
+from .run import decisions
+from .sources import JournalFile, kafka_decisions, kafka_journal, kafka_records
+
+
+def _source(args):
+    """(entries, recorded decisions or None, skipped Counter or None)."""
+    if args.journal:
+        f = JournalFile(args.journal)
+        return f.entries, f.recorded, f.skipped
+    if not args.bootstrap:
+        sys.exit("give --journal FILE or --bootstrap HOST:PORT")
+    entries = list(kafka_journal(args.bootstrap, args.topic, args.partition,
+                                 start=args.start_offset, end=args.end_offset))
+    return entries, None, None
+
+
+def _add_source_args(p, journal_required=False):
+    p.add_argument("--journal", help="JSON Lines journal file")
+    p.add_argument("--bootstrap", help="Kafka bootstrap servers, to read the journal topic instead")
+    p.add_argument("--topic", default="switchyard.journal", help="journal topic (default %(default)s)")
+    p.add_argument("--partition", type=int, default=0, help="journal partition = routing domain")
+    p.add_argument("--start-offset", type=int, help="first offset to read (Kafka)")
+    p.add_argument("--end-offset", type=int, help="offset to stop before (Kafka)")
+
+
+def cmd_run(args) -> int:
+    entries, _, skipped = _source(args)
+    out = open(args.out, "w") if args.out and args.out != "-" else sys.stdout
+    n = 0
+    try:
+        for d in decisions(entries):
+            write_record(out, "RouteDecision", d)
+            n += 1
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    note = f"; skipped lines: {dict(skipped)}" if skipped else ""
+    print(f"{n} decisions from {len(entries)} journal entries{note}", file=sys.stderr)
+    return 0
+
+
+def cmd_export(args) -> int:
+    records = kafka_records(args.bootstrap, args.topic, args.partition, start=args.start_offset,
+                            end=args.end_offset, start_ms=args.start_ms, end_ms=args.end_ms)
+    from streams import codec
+    rows = []
+    with open(args.out, "w") as fp:
+        for rec in records:
+            try:
+                name, value = codec.decode(rec.value)
+            except codec.CodecError as e:
+                print(f"offset {rec.offset}: undecodable ({e.reason}), skipped", file=sys.stderr)
+                continue
+            write_record(fp, name, value, journal_offset=rec.offset, journal_time_ms=rec.timestamp)
+            rows.append((rec.offset, rec.timestamp, name, value))
+        if args.decisions_topic:
+            for d in kafka_decisions(args.bootstrap, args.decisions_topic):
+                write_record(fp, "RouteDecision", d)
+    if args.avro:
+        _write_avro(args.avro, rows)
+    print(f"exported {len(rows)} journal entries to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _write_avro(path: str, rows) -> None:
+    """An Avro object container file: one JournalEntry record per entry, the event as a union."""
+    from fastavro import parse_schema, writer
+    from streams import codec
+    names = sorted({name for _, _, name, _ in rows} or {"Tick"})
+    schema = parse_schema({"type": "record", "name": "JournalEntry", "namespace": "switchyard",
+                           "fields": [{"name": "journal_offset", "type": "long"},
+                                      {"name": "journal_time_ms", "type": ["null", "long"]},
+                                      {"name": "event", "type": [codec.schema(n) for n in names]}]})
+    with open(path, "wb") as fp:
+        writer(fp, schema, ({"journal_offset": o, "journal_time_ms": t, "event": (f"switchyard.{n}", v)}
+                            for o, t, n, v in rows))
+
+
+def cmd_audit(args) -> int:
+    entries, recorded, _ = _source(args)
+    if args.decisions_topic:
+        recorded = kafka_decisions(args.bootstrap, args.decisions_topic)
+    if recorded is None:
+        sys.exit("no recorded decisions: give a journal file with RouteDecision lines or --decisions-topic")
+    report = audit_mod.compare(recorded, list(decisions(entries)))
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+def cmd_explain(args) -> int:
+    entries, _, _ = _source(args)
+    report = explain_mod.explain(entries, args.request_id, args.attempt)
+    if report is None:
+        print(f"request {args.request_id} not found in the journal", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2, default=str) if args.json else explain_mod.render(report))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m replay", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("run", help="re-run a journal from a fresh state and write its decisions")
+    _add_source_args(p)
+    p.add_argument("--out", default="-", help="decisions as JSON Lines (default stdout)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("export", help="copy a journal topic partition from Kafka to a file")
+    p.add_argument("--bootstrap", required=True)
+    p.add_argument("--topic", default="switchyard.journal")
+    p.add_argument("--partition", type=int, default=0)
+    p.add_argument("--start-offset", type=int)
+    p.add_argument("--end-offset", type=int)
+    p.add_argument("--start-ms", type=int, help="first entry at or after this time (ms since epoch)")
+    p.add_argument("--end-ms", type=int, help="stop at entries at or after this time")
+    p.add_argument("--out", required=True, help="JSON Lines file")
+    p.add_argument("--decisions-topic", help="also copy the recorded decisions (for a standalone audit)")
+    p.add_argument("--avro", help="also write an Avro object container file")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("audit", help="re-run a journal and compare every decision with the recorded one")
+    _add_source_args(p)
+    p.add_argument("--decisions-topic", help="read the recorded decisions from this topic")
+    p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("explain", help="why a request went where it went (or was rejected)")
+    p.add_argument("request_id")
+    p.add_argument("--attempt", type=int)
+    _add_source_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_explain)
+
+    args = ap.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

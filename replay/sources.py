@@ -33,7 +33,8 @@ class JournalFile:
 async def _read_kafka(bootstrap: str, topic: str, partition: int, start: int | None, end: int | None,
                       start_ms: int | None = None, end_ms: int | None = None) -> list:
     from aiokafka import AIOKafkaConsumer, TopicPartition
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
+                                auto_offset_reset="earliest")
     await consumer.start()
     try:
         tp = TopicPartition(topic, partition)
@@ -46,10 +47,8 @@ async def _read_kafka(bootstrap: str, topic: str, partition: int, start: int | N
             found = (await consumer.offsets_for_times({tp: end_ms}))[tp]
             end = min(end if end is not None else high, found.offset if found else high)
         end = high if end is None else min(end, high)
-        if start:
-            consumer.seek(tp, start)
-        else:
-            await consumer.seek_to_beginning(tp)
+        low = (await consumer.beginning_offsets([tp]))[tp]
+        consumer.seek(tp, max(low, start or 0))  # an explicit seek: seek_to_beginning can race
         out = []
         while await consumer.position(tp) < end:
             batch = await consumer.getmany(tp, timeout_ms=1000, max_records=10_000)

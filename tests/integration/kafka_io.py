@@ -26,7 +26,8 @@ def produce_events(bootstrap: str, topic: str, events: list[tuple[str, str, dict
 
 async def _read_all(bootstrap: str, topic: str, timeout_ms: int) -> list:
     """Everything in the topic up to its end offsets at the time of the call."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
+                                auto_offset_reset="earliest")
     await consumer.start()
     try:
         partitions = consumer.partitions_for_topic(topic)
@@ -37,7 +38,8 @@ async def _read_all(bootstrap: str, topic: str, timeout_ms: int) -> list:
         if not tps:
             return []
         consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        for tp, low in (await consumer.beginning_offsets(tps)).items():
+            consumer.seek(tp, low)  # explicit: seek_to_beginning can race the assignment
         end = await consumer.end_offsets(tps)
         out = []
         deadline = time.monotonic() + timeout_ms / 1000

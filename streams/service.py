@@ -160,7 +160,7 @@ async def dead_letter(message, reason: str, detail: str = "") -> None:
     if len(original) > MAX_DEAD_LETTER_ORIGINAL:  # the dead letter itself must fit a message
         detail = f"original truncated from {len(original)} bytes; {detail}"
         original = original[:MAX_DEAD_LETTER_ORIGINAL]
-    await app.producer.send_and_wait(
+    await app.producer.send(
         deadletter_topic.get_topic_name(), key=message.key, partition=None, timestamp=None,
         headers=None, value=codec.encode("DeadLetter", {
             "original_key": message.key, "original_value": original, "topic": message.topic,
@@ -189,8 +189,10 @@ async def ingest(stream) -> None:
         if why is not None:
             await dead_letter(message, *why)
             continue
-        # The raw bytes are already framed with their schema id: append them unchanged.
-        await app.producer.send_and_wait(
+        # The raw bytes are already framed with their schema id: append them unchanged. The send
+        # is buffered; Faust flushes the producer before it commits the input offsets, so an
+        # event is in the journal before its input offset counts as processed (at-least-once).
+        await app.producer.send(
             journal_topic.get_topic_name(), key=DOMAIN_KEY, value=bytes(message.value),
             partition=0, timestamp=ms_to_kafka_seconds(wall_ms()), headers=None)
         EVENTS_INGESTED.labels(message.topic, event.value.name).inc()
@@ -222,12 +224,14 @@ BAND_SELECTIONS = Counter("switchyard_band_selections_total", "Decisions picked 
                           registry=registry)
 JOURNAL_LAG = Gauge("switchyard_journal_lag_seconds", "Wall time minus the last applied entry's time",
                     registry=registry)
+CORE_ERRORS = Counter("switchyard_core_errors_total", "Journal entries the core failed on (bugs)",
+                      ["error"], registry=registry)
 QUEUE_DEPTH = Gauge("switchyard_queue_depth", "Requests waiting per model", ["model"], registry=registry)
 
 
 async def send_raw(topic: str, key: bytes, value: bytes) -> None:
-    await app.producer.send_and_wait(topic, key=key, value=value, partition=None, timestamp=None,
-                                     headers=None)
+    # Buffered like ingest's journal append: flushed before the journal offset is committed.
+    await app.producer.send(topic, key=key, value=value, partition=None, timestamp=None, headers=None)
 
 
 async def publish(outputs: list, entry_time_ms: int, request: dict | None) -> None:
@@ -332,7 +336,13 @@ async def route(stream) -> None:
             router.offset = offset
             continue
         entry_ms = round(message.timestamp * 1000)
-        outputs = router.apply(offset, entry_ms, value.name, value.record)
+        try:
+            outputs = router.apply(offset, entry_ms, value.name, value.record)
+        except Exception as exc:  # a core bug must not stop the domain: count it, keep going
+            app.log.exception("core failed on journal offset %s", offset)
+            CORE_ERRORS.labels(type(exc).__name__).inc()
+            router.offset = offset
+            continue
         JOURNAL_APPLIED.labels(value.name).inc()
         JOURNAL_LAG.set(max(0.0, time.time() - entry_ms / 1000))
         await publish(outputs, entry_ms, value.record if value.name == "RouteRequest" else None)

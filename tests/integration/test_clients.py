@@ -140,3 +140,40 @@ def test_a_request_nobody_answers_times_out(kafka_bootstrap):
                 await gw.follow_up("never-queued", 0, timeout=0.3)
 
     asyncio.run(scenario())
+
+
+def test_operator_cli(world, capsys):
+    from streams import cli
+
+    bootstrap, prefix, worker = world
+
+    async def provider():
+        async with ProviderPublisher(bootstrap, "box-cli", topic_prefix=prefix) as pub:
+            await pub.register(registration(["gpt-oss-20b"]))
+            await pub.heartbeat(heartbeat(["gpt-oss-20b"]))
+
+    asyncio.run(provider())
+    base = ["--bootstrap", bootstrap, "--topic-prefix", prefix]
+
+    assert cli.main(base + ["config", "set", "QUEUE_MAX_DEPTH=20", "EIGENINFERENCE_SATISFICING_BAND=",
+                            "--author", "cli-test"]) == 0
+    change = json_lines(capsys)[-1]
+    assert change["settings"] == {"EIGENINFERENCE_QUEUE_MAX_DEPTH": "20", "EIGENINFERENCE_SATISFICING_BAND": ""}
+    assert cli.main(base + ["config", "set", "NO_SUCH_SETTING=1"]) == 2
+    assert "unknown setting" in capsys.readouterr().err
+
+    # Options also after the command; the prefix must match the worker's.
+    assert cli.main(["route", "--model", "gpt-oss-20b", "--prompt-tokens", "700", "--max-tokens", "128",
+                     "--timeout", "30"] + base) == 0
+    decision = json_lines(capsys)[-1]
+    assert decision["outcome"] == "routed" and decision["provider_id"] == "box-cli"
+
+    assert cli.main(base + ["tail", "decisions", "--from-beginning", "--limit", "1"]) == 0
+    assert json_lines(capsys) == [decision]
+    assert wait_for(lambda: any(n == "ConfigChange" and r["author"] == "cli-test"
+                                for n, r in journal(bootstrap, prefix)), what="the CLI's ConfigChange")
+
+
+def json_lines(capsys) -> list[dict]:
+    import json
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]

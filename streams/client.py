@@ -1,0 +1,453 @@
+"""Kafka clients of the wire contract (events.md) for the parties around the router.
+
+This module owns the outside view of Switchyard, over plain aiokafka with Avro values framed by
+`streams.codec` (never Faust's `agent.ask`):
+
+* `GatewayClient` — a gateway: publishes RouteRequests and awaits their RouteDecisions on its reply
+  topic (request/reply over topics, correlated by (request_id, attempt)), awaits the second decision
+  of a queued request, publishes Completions;
+* `ProviderPublisher` — a provider agent: registration, sequenced heartbeats, disconnect;
+* `ConfigPublisher` / `publish_config` — an operator: ConfigChange patches;
+* `read_decisions` — decisions as they appear on a topic (for `streams.cli tail`).
+
+Every topic name takes the deployment's prefix (`SWITCHYARD_TOPIC_PREFIX` of the worker).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from typing import AsyncIterator, Iterable, Mapping
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+from . import codec
+from .config import PREFIX as SETTING_PREFIX, Config
+
+log = logging.getLogger(__name__)
+
+REQUESTS = "switchyard.requests"
+DECISIONS = "switchyard.decisions"
+COMPLETIONS = "switchyard.completions"
+PROVIDERS = "switchyard.providers"
+CONFIG = "switchyard.config"
+DOMAIN_KEY = b"default"  # the one routing domain's key on the config topic
+
+Key = tuple[str, int]
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def make_producer(bootstrap: str) -> AIOKafkaProducer:
+    """An unstarted producer as every client here uses it (share one among many ProviderPublishers)."""
+    # acks=all: a request the gateway believes sent is on every in-sync replica. linger 0: no
+    # batching delay in front of a waiting caller.
+    return AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0,
+                            client_id="switchyard-client")
+
+
+async def ensure_topics(bootstrap: str, topics: Iterable[str], *, partitions: int = 1,
+                        replication_factor: int = 1) -> None:
+    """Create the topics that do not exist yet (an existing one is left as it is)."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [t for t in dict.fromkeys(topics) if t not in existing]
+        if missing:
+            await admin.create_topics([NewTopic(t, partitions, replication_factor) for t in missing])
+            log.info("created topics %s", missing)
+    finally:
+        await admin.close()
+
+
+async def _partitions(consumer: AIOKafkaConsumer, topic: str, timeout: float = 15.0) -> list[TopicPartition]:
+    deadline = time.monotonic() + timeout
+    while True:
+        parts = consumer.partitions_for_topic(topic)
+        if parts:
+            return [TopicPartition(topic, p) for p in sorted(parts)]
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"topic {topic!r} has no partitions after {timeout:.0f}s")
+        await consumer._client.force_metadata_update()  # no public call refreshes one topic
+        await asyncio.sleep(0.1)
+
+
+# === gateway ======================================================================================
+class GatewayClient:
+    """A gateway's request/reply client.
+
+    ``async with GatewayClient(bootstrap, topic_prefix=p) as gw: decision = await gw.route({...}, 5)``
+
+    Replies are read from the END of the reply topic (default ``<prefix>switchyard.decisions``; pass
+    a private one such as ``<prefix>switchyard.replies.<uuid>`` and it is created if missing) with no
+    consumer group: partitions are assigned and positioned before the first request goes out, so no
+    reply to this client can be missed and none from before it started is read. One background task
+    consumes and completes a future per (request_id, attempt).
+
+    A queued request (outcome ``queued``, 202) gets a second decision later; ``follow_up`` awaits it.
+    A follow-up that arrives before anyone awaits it is kept (the oldest dropped beyond
+    ``max_unclaimed``). With a private reply topic the default decisions topic is read too
+    (``listen_default``): the worker sends a decision made by a queue drain (on a completion, a
+    heartbeat or a tick) to the default topic, since only the RouteRequest entry carries reply_to.
+    """
+
+    def __init__(self, bootstrap: str, *, topic_prefix: str = "", reply_topic: str | None = None,
+                 max_unclaimed: int = 10_000, max_tracked: int = 200_000, listen_default: bool = True,
+                 create_replication_factor: int = 1):
+        self.bootstrap = bootstrap
+        self.prefix = topic_prefix
+        self.requests_topic = topic_prefix + REQUESTS
+        self.completions_topic = topic_prefix + COMPLETIONS
+        self.default_reply_topic = topic_prefix + DECISIONS
+        self.reply_topic = reply_topic or self.default_reply_topic
+        self._listen = [self.reply_topic]
+        if listen_default and self.reply_topic != self.default_reply_topic:
+            self._listen.append(self.default_reply_topic)
+        self._replication = create_replication_factor
+        self._max_unclaimed = max_unclaimed
+        self._max_tracked = max_tracked
+        self._producer: AIOKafkaProducer | None = None
+        self._consumer: AIOKafkaConsumer | None = None
+        self._task: asyncio.Task | None = None
+        self._first: dict[Key, asyncio.Future] = {}    # awaiting the first decision
+        self._follow: dict[Key, asyncio.Future] = {}   # awaiting a queued request's second decision
+        self._unclaimed: OrderedDict[Key, dict] = OrderedDict()  # decisions nobody awaits yet
+        self._sent: OrderedDict[Key, None] = OrderedDict()       # identities this client sent
+        self._failure: BaseException | None = None
+        self.stats = {"decisions_received": 0, "decisions_ignored": 0, "unclaimed_dropped": 0,
+                      "undecodable": 0}
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    async def __aenter__(self) -> "GatewayClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        await ensure_topics(self.bootstrap, self._listen, replication_factor=self._replication)
+        self._producer = make_producer(self.bootstrap)
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
+            auto_offset_reset="latest", fetch_max_wait_ms=100, client_id="switchyard-gateway")
+        try:
+            await self._producer.start()
+            await self._consumer.start()
+            tps = []
+            for topic in self._listen:
+                tps += await _partitions(self._consumer, topic)
+            self._consumer.assign(tps)
+            await self._consumer.seek_to_end(*tps)
+            for tp in tps:  # resolve the end offsets now, before any request is sent
+                await self._consumer.position(tp)
+        except BaseException:
+            await self.stop()
+            raise
+        self._task = asyncio.create_task(self._consume(), name="gateway-replies")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+            self._task = None
+        for fut in (*self._first.values(), *self._follow.values()):
+            if not fut.done():
+                fut.cancel()
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    # --- requests ------------------------------------------------------------------------------------
+    def fill_request(self, request: Mapping) -> dict:
+        """The request with this client's defaults: request_id (uuid4), attempt 0, sent_at_ms now,
+        reply_to this client's reply topic."""
+        req = dict(request)
+        if not req.get("request_id"):
+            req["request_id"] = uuid.uuid4().hex
+        req.setdefault("attempt", 0)
+        if not req.get("sent_at_ms"):
+            req["sent_at_ms"] = wall_ms()
+        if not req.get("reply_to"):
+            req["reply_to"] = self.reply_topic
+        return req
+
+    async def route(self, request: Mapping, timeout: float = 10.0) -> dict:
+        """Publish a RouteRequest and return its RouteDecision (a ``queued`` one as is).
+        Raises ``asyncio.TimeoutError`` when no decision comes within ``timeout`` seconds."""
+        self._check()
+        req = self.fill_request(request)
+        key = (req["request_id"], req["attempt"])
+        if key in self._first:
+            raise ValueError(f"request {key} is already awaiting its decision")
+        value = codec.encode("RouteRequest", req)  # fails before anything is sent
+        fut = asyncio.get_running_loop().create_future()
+        self._first[key] = fut  # registered before sending: a fast reply cannot slip past
+        self._track(key)
+        try:
+            async with asyncio.timeout(timeout):
+                await self._producer.send_and_wait(self.requests_topic, key=key[0].encode(), value=value)
+                return await fut
+        finally:
+            if self._first.get(key) is fut:
+                del self._first[key]
+
+    async def follow_up(self, request_id: str, attempt: int = 0, timeout: float = 60.0) -> dict:
+        """The second decision of a queued request: routed from the queue, or rejected
+        (queue_timeout). Raises ``asyncio.TimeoutError`` when it does not come in time."""
+        self._check()
+        key = (request_id, attempt)
+        early = self._unclaimed.pop(key, None)
+        if early is not None:
+            return early
+        if key in self._follow:
+            raise ValueError(f"request {key} already has a follow-up waiter")
+        fut = asyncio.get_running_loop().create_future()
+        self._follow[key] = fut
+        self._track(key)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            if self._follow.get(key) is fut:
+                del self._follow[key]
+
+    async def complete(self, completion: Mapping) -> dict:
+        """Publish a Completion (keyed by provider_id). Fills event_id, attempt 0, status "ok",
+        completed_at_ms now. Returns the record sent."""
+        self._check()
+        rec = dict(completion)
+        rec.setdefault("event_id", uuid.uuid4().hex)
+        rec.setdefault("attempt", 0)
+        rec.setdefault("status", "ok")
+        if not rec.get("completed_at_ms"):
+            rec["completed_at_ms"] = wall_ms()
+        key = (rec.get("provider_id") or rec.get("request_id") or "").encode()
+        await self._producer.send_and_wait(self.completions_topic, key=key,
+                                           value=codec.encode("Completion", rec))
+        return rec
+
+    async def cancel(self, request_id: str, attempt: int = 0, provider_id: str = "") -> dict:
+        """A Completion with status ``cancelled``: releases a reservation, or takes a queued
+        request out of the queue without a second decision."""
+        return await self.complete({"request_id": request_id, "attempt": attempt,
+                                    "provider_id": provider_id, "status": "cancelled"})
+
+    @property
+    def pending(self) -> int:
+        return len(self._first) + len(self._follow)
+
+    # --- the reply loop ------------------------------------------------------------------------------
+    def _check(self) -> None:
+        if self._producer is None:
+            raise RuntimeError("GatewayClient not started (use `async with`)")
+        if self._failure is not None:
+            raise RuntimeError("the reply consumer failed") from self._failure
+
+    def _track(self, key: Key) -> None:
+        self._sent[key] = None
+        self._sent.move_to_end(key)
+        while len(self._sent) > self._max_tracked:
+            self._sent.popitem(last=False)
+
+    async def _consume(self) -> None:
+        try:
+            while True:
+                batches = await self._consumer.getmany(timeout_ms=500, max_records=1000)
+                for records in batches.values():
+                    for record in records:
+                        self._on_record(record.value)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - fail every waiter rather than hang them
+            log.exception("gateway reply consumer failed")
+            self._failure = e
+            for fut in (*self._first.values(), *self._follow.values()):
+                if not fut.done():
+                    fut.set_exception(RuntimeError(f"reply consumer failed: {e!r}"))
+
+    def _on_record(self, value: bytes) -> None:
+        try:
+            name, decision = codec.decode_as(value, "RouteDecision")
+        except codec.CodecError:
+            self.stats["undecodable"] += 1
+            return
+        key = (decision["request_id"], decision["attempt"])
+        fut = self._follow.get(key)
+        if fut is None or fut.done():
+            fut = self._first.get(key)
+        if fut is not None and not fut.done():
+            self.stats["decisions_received"] += 1
+            fut.set_result(decision)
+            return
+        if key not in self._sent:  # another gateway's request on a shared topic
+            self.stats["decisions_ignored"] += 1
+            return
+        # Ours, but nobody waits: a queue follow-up before `follow_up` is called, or a late reply.
+        self.stats["decisions_received"] += 1
+        self._unclaimed[key] = decision
+        self._unclaimed.move_to_end(key)
+        while len(self._unclaimed) > self._max_unclaimed:
+            self._unclaimed.popitem(last=False)
+            self.stats["unclaimed_dropped"] += 1
+
+
+# === provider agent ===============================================================================
+class ProviderPublisher:
+    """One provider session's events on ``<prefix>switchyard.providers``, keyed by provider_id.
+
+    ``register`` starts a session (heartbeat seq restarts at 1); ``heartbeat`` fills seq, sent_at_ms
+    and a unique event_id; ``disconnect`` ends the session. Pass ``producer`` to share one producer
+    among many providers (it is then neither started nor stopped here).
+    """
+
+    def __init__(self, bootstrap: str, provider_id: str, *, topic_prefix: str = "",
+                 producer: AIOKafkaProducer | None = None):
+        self.bootstrap = bootstrap
+        self.provider_id = provider_id
+        self.topic = topic_prefix + PROVIDERS
+        self._producer = producer
+        self._own = producer is None
+        self.seq = 0
+
+    async def __aenter__(self) -> "ProviderPublisher":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        if self._own and self._producer is None:
+            self._producer = make_producer(self.bootstrap)
+            await self._producer.start()
+
+    async def stop(self) -> None:
+        if self._own and self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def _send(self, name: str, record: dict) -> dict:
+        if self._producer is None:
+            raise RuntimeError("ProviderPublisher not started (use `async with`)")
+        await self._producer.send_and_wait(self.topic, key=self.provider_id.encode(),
+                                           value=codec.encode(name, record))
+        return record
+
+    async def register(self, record: Mapping) -> dict:
+        rec = dict(record, provider_id=self.provider_id)
+        rec.setdefault("event_id", uuid.uuid4().hex)
+        if not rec.get("registered_at_ms"):
+            rec["registered_at_ms"] = wall_ms()
+        self.seq = 0
+        return await self._send("ProviderRegistered", rec)
+
+    async def heartbeat(self, record: Mapping) -> dict:
+        self.seq += 1
+        rec = dict(record, provider_id=self.provider_id, seq=self.seq, sent_at_ms=wall_ms())
+        rec.setdefault("event_id", uuid.uuid4().hex)
+        return await self._send("Heartbeat", rec)
+
+    async def disconnect(self, reason: str = "shutdown") -> dict:
+        return await self._send("ProviderDisconnected", {
+            "event_id": uuid.uuid4().hex, "provider_id": self.provider_id, "at_ms": wall_ms(),
+            "reason": reason})
+
+
+# === operator =====================================================================================
+def normalise_settings(settings: Mapping[str, str]) -> dict[str, str]:
+    """Settings with the ``EIGENINFERENCE_`` prefix added where missing, checked by the same parser
+    the router uses (unknown names and unparsable values raise ``ConfigError``)."""
+    out = {}
+    for name, value in settings.items():
+        full = name if name.startswith(SETTING_PREFIX) else SETTING_PREFIX + name
+        out[full] = str(value)
+    Config().patched(out)  # raises ConfigError, as the router would refuse the whole change
+    return out
+
+
+class ConfigPublisher:
+    """ConfigChange patches on ``<prefix>switchyard.config`` (key "default", the one routing domain).
+    A patch replaces the settings it names, "" resets one to its default, others stay (rules §3)."""
+
+    def __init__(self, bootstrap: str, *, topic_prefix: str = ""):
+        self.bootstrap = bootstrap
+        self.topic = topic_prefix + CONFIG
+        self._producer: AIOKafkaProducer | None = None
+
+    async def __aenter__(self) -> "ConfigPublisher":
+        self._producer = make_producer(self.bootstrap)
+        await self._producer.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+            self._producer = None
+
+    async def publish(self, settings: Mapping[str, str], *, author: str = "") -> dict:
+        if self._producer is None:
+            raise RuntimeError("ConfigPublisher not started (use `async with`)")
+        patch = normalise_settings(settings)
+        # config_id names a full configuration; a patch's result depends on what was recorded
+        # before it, which only the router knows, so the router's decisions carry the real id.
+        record = {"config_id": "", "settings": patch, "changed_at_ms": wall_ms(), "author": author}
+        await self._producer.send_and_wait(self.topic, key=DOMAIN_KEY,
+                                           value=codec.encode("ConfigChange", record))
+        return record
+
+
+async def publish_config(bootstrap: str, settings: Mapping[str, str], *, topic_prefix: str = "",
+                         author: str = "") -> dict:
+    """Publish one ConfigChange patch; returns the record sent."""
+    async with ConfigPublisher(bootstrap, topic_prefix=topic_prefix) as pub:
+        return await pub.publish(settings, author=author)
+
+
+# === reading decisions ============================================================================
+async def read_decisions(bootstrap: str, topic: str, *, from_beginning: bool = False,
+                         limit: int | None = None, idle_timeout: float | None = None
+                         ) -> AsyncIterator[dict]:
+    """Yield the RouteDecisions appearing on ``topic`` (from its start, or only new ones), until
+    ``limit`` were yielded or nothing arrived for ``idle_timeout`` seconds (None: forever)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                                fetch_max_wait_ms=200, client_id="switchyard-tail")
+    await consumer.start()
+    try:
+        tps = await _partitions(consumer, topic)
+        consumer.assign(tps)
+        if from_beginning:
+            await consumer.seek_to_beginning(*tps)
+        else:
+            await consumer.seek_to_end(*tps)
+        count, idle_since = 0, time.monotonic()
+        while limit is None or count < limit:
+            batches = await consumer.getmany(timeout_ms=250, max_records=500)
+            if not batches:
+                if idle_timeout is not None and time.monotonic() - idle_since > idle_timeout:
+                    return
+                continue
+            idle_since = time.monotonic()
+            for records in batches.values():
+                for record in records:
+                    try:
+                        _, decision = codec.decode_as(record.value, "RouteDecision")
+                    except codec.CodecError as e:
+                        decision = {"undecodable": e.reason, "offset": record.offset}
+                    yield decision
+                    count += 1
+                    if limit is not None and count >= limit:
+                        return
+    finally:
+        await consumer.stop()

@@ -92,13 +92,13 @@ class GatewayClient:
 
     A queued request (outcome ``queued``, 202) gets a second decision later; ``follow_up`` awaits it.
     A follow-up that arrives before anyone awaits it is kept (the oldest dropped beyond
-    ``max_unclaimed``). With a private reply topic the default decisions topic is read too
-    (``listen_default``): the worker sends a decision made by a queue drain (on a completion, a
-    heartbeat or a tick) to the default topic, since only the RouteRequest entry carries reply_to.
+    ``max_unclaimed``). Every decision of a request, its queue follow-up included, goes to the
+    request's own reply topic; ``listen_default`` also reads the default topic (for a gateway
+    watching decisions it did not request itself).
     """
 
     def __init__(self, bootstrap: str, *, topic_prefix: str = "", reply_topic: str | None = None,
-                 max_unclaimed: int = 10_000, max_tracked: int = 200_000, listen_default: bool = True,
+                 max_unclaimed: int = 10_000, max_tracked: int = 200_000, listen_default: bool = False,
                  create_replication_factor: int = 1):
         self.bootstrap = bootstrap
         self.prefix = topic_prefix

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -234,12 +235,45 @@ async def send_raw(topic: str, key: bytes, value: bytes) -> None:
     await app.producer.send(topic, key=key, value=value, partition=None, timestamp=None, headers=None)
 
 
+class ReplyTopics:
+    """Where each request's decisions go: its `reply_to`, remembered until its final decision (a
+    queued request is answered later, while some other entry is being applied). Rebuilt with the
+    core when a worker catches up, so it is a function of the journal too."""
+
+    LIMIT = 200_000
+
+    def __init__(self):
+        self.by_request: OrderedDict[tuple[str, int], str] = OrderedDict()
+
+    def note(self, name: str, record: dict) -> None:
+        if name == "RouteRequest" and record.get("reply_to"):
+            self.by_request[(record.get("request_id"), record.get("attempt"))] = record["reply_to"]
+            if len(self.by_request) > self.LIMIT:
+                self.by_request.popitem(last=False)
+
+    def topic_for(self, decision: dict) -> str:
+        key = (decision["request_id"], decision["attempt"])
+        if decision["outcome"] == "queued":
+            topic = self.by_request.get(key)
+        else:
+            topic = self.by_request.pop(key, None)
+        return topic or decisions_topic.get_topic_name()
+
+
+reply_topics = ReplyTopics()
+
+
+def apply_entry(offset: int, time_ms: int, name: str, record: dict) -> list:
+    reply_topics.note(name, record)
+    return router.apply(offset, time_ms, name, record)
+
+
 async def publish(outputs: list, entry_time_ms: int, request: dict | None) -> None:
     """Send what the core decided: decisions to their reply topic, reservations, telemetry."""
     for kind, record in outputs:
         if kind == "RouteDecision":
-            reply = (request or {}).get("reply_to") or decisions_topic.get_topic_name()
-            await send_raw(reply, record["request_id"].encode(), codec.encode(kind, record))
+            await send_raw(reply_topics.topic_for(record), record["request_id"].encode(),
+                           codec.encode(kind, record))
             now = time.time()
             DECISIONS.labels(record["outcome"], record["reason"] or "").inc()
             DECISION_LATENCY.labels("journal_append").observe(max(0.0, now - entry_time_ms / 1000))
@@ -288,7 +322,7 @@ async def catch_up(router: Router, until: int) -> None:
                 except codec.CodecError:
                     router.offset = record.offset
                     continue
-                router.apply(record.offset, record.timestamp, name, value)
+                apply_entry(record.offset, record.timestamp, name, value)
     finally:
         await consumer.stop()
 
@@ -337,7 +371,7 @@ async def route(stream) -> None:
             continue
         entry_ms = round(message.timestamp * 1000)
         try:
-            outputs = router.apply(offset, entry_ms, value.name, value.record)
+            outputs = apply_entry(offset, entry_ms, value.name, value.record)
         except Exception as exc:  # a core bug must not stop the domain: count it, keep going
             app.log.exception("core failed on journal offset %s", offset)
             CORE_ERRORS.labels(type(exc).__name__).inc()

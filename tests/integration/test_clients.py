@@ -73,7 +73,10 @@ def test_route_spread_queue_and_release(world):
         await asyncio.to_thread(wait_for, lambda: worker.metric("switchyard_providers_online") == 3,
                                 what="3 providers online")
 
-        async with GatewayClient(bootstrap, topic_prefix=prefix) as gw:
+        # A private reply topic: queue follow-ups (decided on a completion, not on the request's own
+        # journal entry) must reach it too.
+        reply = f"{prefix}switchyard.replies.{uuid.uuid4().hex}"
+        async with GatewayClient(bootstrap, topic_prefix=prefix, reply_topic=reply) as gw:
             # Identical idle boxes tie on cost; each reservation then makes its box dearer (queue and
             # pending terms), so consecutive requests spread over the boxes.
             decisions = [await gw.route({"model": "gpt-oss-20b", "prompt_tokens": 1000, "max_tokens": 256},
@@ -106,6 +109,7 @@ def test_route_spread_queue_and_release(world):
     asyncio.run(scenario())
     reservations = read_topic(bootstrap, prefix + "switchyard.reservations")
     assert len(reservations) == 6 + 3  # one per routed decision, none for a queued one
+    assert read_topic(bootstrap, prefix + "switchyard.decisions") == []  # all went to the private topic
 
 
 def test_private_reply_topic(world):

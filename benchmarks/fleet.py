@@ -29,10 +29,12 @@ def fleet_events(n: int, models: int, per_box: int, at_ms: int = 1_000) -> list[
     return events
 
 
-def heartbeat(pid: str, i: int, mine: list[str], seq: int, at_ms: int) -> dict:
+def heartbeat(pid: str, i: int, mine: list[str], seq: int, at_ms: int, shift: int = 0) -> dict:
+    """Provider i's heartbeat; `shift` moves its load (running requests, budgets, EWMAs)."""
+    i0, i = i, i + shift
     return {"event_id": f"hb-{pid}-{seq}", "provider_id": pid, "seq": seq, "sent_at_ms": at_ms,
             "status": "serving", "warm_models": mine,
-            "system_metrics": {"memory_pressure": 0.1 + (i % 5) / 10, "cpu_usage": 0.1 + (i % 4) / 10,
+            "system_metrics": {"memory_pressure": 0.1 + (i0 % 5) / 10, "cpu_usage": 0.1 + (i % 4) / 10,
                                "thermal_state": "nominal"},
             "backend_capacity": {"total_memory_gb": 64.0, "gpu_memory_active_gb": 8.0,
                                  "free_for_load_gb": None, "slots": [

@@ -27,18 +27,25 @@ def quality_concurrency(solo: float, floor: float, k: float, base: int, fallback
     return max(1, min(limit, b))
 
 
+def class_solo_tps(model: str, chip_class: str, config: Config, rings: TpsRegistry) -> float | None:
+    """The per-model solo rate for a chip class: own class median → min of class medians → seed;
+    None when none applies (the provider's static rate is used then)."""
+    if not config.per_model_tps:
+        return None
+    median, n = rings.solo.stats(model, chip_class)
+    if n >= config.solo_min_samples and median > 0:
+        return median
+    cross, total, _ = rings.solo.min_across_chips(model)
+    if total >= config.solo_min_samples and cross > 0:
+        return cross  # rules §8: min of class medians, no seed clamp
+    return config.solo_seed.get(model.lower())
+
+
 def resolved_solo_tps(p: ProviderState, model: str, config: Config, rings: TpsRegistry) -> tuple[float, bool]:
     """(rate, per_model): own class median → min of class medians → seed → provider static rate."""
-    if config.per_model_tps:
-        median, n = rings.solo.stats(model, p.chip_class)
-        if n >= config.solo_min_samples and median > 0:
-            return median, True
-        cross, total, _ = rings.solo.min_across_chips(model)
-        if total >= config.solo_min_samples and cross > 0:
-            return cross, True  # rules §8: min of class medians, no seed clamp
-        seed = config.solo_seed.get(model.lower())
-        if seed is not None:
-            return seed, True
+    rate = class_solo_tps(model, p.chip_class, config, rings)
+    if rate is not None:
+        return rate, True
     return p.static_decode_tps(), False
 
 
@@ -52,7 +59,15 @@ def effective_cap(p: ProviderState, model: str, slot: Slot | None, config: Confi
     base = base_concurrency(p, slot, config)
     if not config.quality_cap:
         return base
-    rate, per_model = resolved_solo_tps(p, model, config, rings)
+    return cap_for_class_rate(p, model, base, class_solo_tps(model, p.chip_class, config, rings), config)
+
+
+def cap_for_class_rate(p: ProviderState, model: str, base: int, class_rate: float | None, config: Config) -> int:
+    """The quality cap given the class's per-model solo rate (`class_solo_tps`; None = static)."""
+    if class_rate is not None:
+        rate, per_model = class_rate, True
+    else:
+        rate, per_model = p.static_decode_tps(), False
     if p.decode_tps <= 0 and not per_model and config.is_dedicated(model) is None:
         return base  # never cap a non-dedicated model from the bandwidth proxy
     qc = quality_concurrency(rate, config.decode_floor, config.k, base, config.fallback_concurrency)

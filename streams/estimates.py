@@ -31,12 +31,8 @@ def state_penalty(state: str) -> float:
     return COLD_PENALTY_MS
 
 
-def effective_tps(p: ProviderState, model: str, slot: Slot | None, config: Config, rings: TpsRegistry) -> float:
-    if slot is not None and slot.observed_decode_tps > 0:
-        return slot.observed_decode_tps
-    fleet = rings.decode.median(model, p.family)
-    if fleet > 0:
-        return fleet
+def static_effective_tps(p: ProviderState, slot: Slot | None, config: Config) -> float:
+    """The last step of the effective-rate chain: the provider's static rate under load."""
     static = p.static_decode_tps()
     running = slot.num_running if slot is not None else 0
     if static <= 0:
@@ -44,6 +40,23 @@ def effective_tps(p: ProviderState, model: str, slot: Slot | None, config: Confi
     if config.k <= 0 or running <= 0:
         return static
     return max(1.0, static / (1 + config.k * running))
+
+
+def effective_tps(p: ProviderState, model: str, slot: Slot | None, config: Config, rings: TpsRegistry) -> float:
+    if slot is not None and slot.observed_decode_tps > 0:
+        return slot.observed_decode_tps
+    fleet = rings.decode.median(model, p.family)
+    if fleet > 0:
+        return fleet
+    return static_effective_tps(p, slot, config)
+
+
+def prefill_fallback(p: ProviderState, config: Config, recalibrate: bool) -> tuple[float, str]:
+    """Steps 3–4 of the prefill chain (before the ceiling): the anchor or the static rate."""
+    static = p.static_prefill_tps(config)
+    if recalibrate and p.backend is not None and config.prefill_anchor_tps > static:
+        return config.prefill_anchor_tps, "anchor"
+    return static, "static"
 
 
 def resolve_prefill(p: ProviderState, model: str, slot: Slot | None, config: Config, rings: TpsRegistry,
@@ -55,13 +68,10 @@ def resolve_prefill(p: ProviderState, model: str, slot: Slot | None, config: Con
         value, source = slot.observed_prefill_tps, "observed"
     else:
         median, n = rings.prefill.stats(model, p.chip_class) if medians else (0.0, 0)
-        static = p.static_prefill_tps(config)
         if medians and median > 0 and n >= config.prefill_min_samples:
             value, source = median, "median"
-        elif recalibrate and p.backend is not None and config.prefill_anchor_tps > static:
-            value, source = config.prefill_anchor_tps, "anchor"
         else:
-            value, source = static, "static"
+            value, source = prefill_fallback(p, config, recalibrate)
     return min(value, config.max_prefill_tps), source
 
 

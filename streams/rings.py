@@ -58,11 +58,13 @@ class SampleRing:
 class RingFamily:
     """Rings keyed by (model, chip key). Empty model ids and non-positive samples are ignored."""
 
-    __slots__ = ("rings", "by_model")
+    __slots__ = ("rings", "by_model", "versions")
 
     def __init__(self):
         self.rings: dict[tuple[str, str], SampleRing] = {}
         self.by_model: dict[str, dict[str, SampleRing]] = {}
+        # model -> number of samples stored so far: a change marker for the candidate indexes
+        self.versions: dict[str, int] = {}
 
     def record(self, model: str, chip: str, value: float) -> bool:
         if not model or not value > 0:
@@ -71,7 +73,13 @@ class RingFamily:
         if ring is None:
             ring = self.rings[(model, chip)] = SampleRing()
             self.by_model.setdefault(model, {})[chip] = ring
-        return ring.record(value)
+        if ring.record(value):
+            self.versions[model] = self.versions.get(model, 0) + 1
+            return True
+        return False
+
+    def version(self, model: str) -> int:
+        return self.versions.get(model, 0)
 
     def stats(self, model: str, chip: str) -> tuple[float, int]:
         ring = self.rings.get((model, chip))

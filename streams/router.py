@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from . import admission as adm
 from . import estimates as est
 from .calibration import TtftCalibrator
+from .candidates import FastPath
 from .config import DEFAULT, Config, ConfigError
 from .provider import TRUST_RANK, ProviderEventError, ProviderState, Slot
 from .rings import TpsRegistry
@@ -119,7 +120,11 @@ class Queued:
 
 
 class Router:
-    def __init__(self, config: Config = DEFAULT):
+    """`fast=False` keeps every decision on the scalar scan (the reference the fast path is tested
+    against, and what `explain` traces)."""
+
+    def __init__(self, config: Config = DEFAULT, fast: bool = True):
+        self.fast: FastPath | None = None
         self.config = config
         self.now = 0
         self.offset = -1
@@ -136,6 +141,17 @@ class Router:
         self.seen_events: OrderedDict[str, None] = OrderedDict()
         self.counters: Counter = Counter()
         self.tripwires: Counter = Counter()
+        self.fast = FastPath(self) if fast else None
+
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, value: Config) -> None:
+        self._config = value
+        if self.fast is not None:
+            self.fast.reset()
 
     # === the fold ==================================================================================
     def apply(self, offset: int, journal_time_ms: int | None, type_name: str, record: dict) -> list:
@@ -213,6 +229,8 @@ class Router:
         self.liveness[state.provider_id] = self.now
         for model in state.models:
             insort(self.by_model.setdefault(model, []), state.provider_id)
+        if self.fast is not None:
+            self.fast.provider_added(state)
         self.counters["providers_registered"] += 1
         if released:
             self._drain(state, out)
@@ -230,6 +248,8 @@ class Router:
                     del ids[i]
         for key in p.pending:
             self.reservations.pop(key, None)
+        if self.fast is not None:
+            self.fast.provider_removed(p)
         had_pending = bool(p.pending)
         if drain:
             self._drain(p, out)
@@ -253,6 +273,7 @@ class Router:
                 self.counters["heartbeats_stale_seq"] += 1
                 return
             p.last_seq = seq
+        before = self.fast.snapshot(p) if self.fast is not None else None
         p.set_metrics(metrics)
         p.backend = backend
         for model, reported in trips:
@@ -261,6 +282,8 @@ class Router:
                                      "reported": reported}))
         if backend is not None:
             self._record_rates(p, backend.slots)
+        if self.fast is not None:
+            self.fast.provider_changed(p, before)
         self.counters["heartbeats_applied"] += 1
         self._drain(p, out)
 
@@ -307,7 +330,9 @@ class Router:
             self.counters["completions_provider_mismatch"] += 1
         p = self.providers.get(pid)
         if p is not None:
-            p.remove_pending(key)
+            gone = p.remove_pending(key)
+            if gone is not None and self.fast is not None:
+                self.fast.pending_changed(p, gone.model)
         ttft = event.get("ttft_ms") or 0.0
         if status == "ok" and isinstance(ttft, (int, float)) and ttft > 0:
             if self.calibrator.observe(key, float(ttft), self.now):
@@ -546,28 +571,16 @@ class Router:
         if c.band:
             band = self.band_members(req, cands)
             if band:
-                for x in band:
-                    if x.p.provider_id == affinity:
-                        return x, "affinity", len(band)
-                if len(band) == 1:
-                    return band[0], "band", 1
-                weights = []
-                for x in band:
-                    w = 1.0 / (1.0 + self.serves.read(x.p.provider_id, self.now))
-                    if c.band_respect_health:
-                        w = w / (1.0 + x.health / 1000.0)
-                    weights.append(w)
-                x_draw = draw(req.request_id, req.attempt, 1) * sum(weights)
-                for member, w in zip(band, weights):
-                    x_draw -= w
-                    if x_draw < 0:
-                        return member, "band", len(band)
-                return band[-1], "band", len(band)
+                pos, how = self._band_choice(req, [x.p.provider_id for x in band], [x.health for x in band],
+                                             affinity)
+                return band[pos], how, len(band)
         best = cands[0]
         for x in cands[1:]:
             if x.cost < best.cost:
                 best = x
-        near = [x for x in cands if abs(x.cost - best.cost) <= NEAR_TIE_MS]
+        # `or [best]`: with an infinite (or NaN) cost, |cost − best| is NaN and nothing would be
+        # a near tie; the best itself always is (finite costs never take this branch)
+        near = [x for x in cands if abs(x.cost - best.cost) <= NEAR_TIE_MS] or [best]
         winner = near[0]
         for x in near[1:]:
             if x.eff_queue < winner.eff_queue or (
@@ -586,17 +599,56 @@ class Router:
                     return x, "affinity", 0
         return winner, how, 0
 
+    def _band_choice(self, req: Request, ids: list[str], healths: list[float], affinity: str | None
+                     ) -> tuple[int, str]:
+        """Pick among band members (in band order): the affinity provider, the only member, or a
+        weighted draw (domain §2.17, rules §2). Returns (position, selected_by)."""
+        for i, pid in enumerate(ids):
+            if pid == affinity:
+                return i, "affinity"
+        if len(ids) == 1:
+            return 0, "band"
+        respect_health = self.config.band_respect_health
+        weights = []
+        for pid, health in zip(ids, healths):
+            w = 1.0 / (1.0 + self.serves.read(pid, self.now))
+            if respect_health:
+                w = w / (1.0 + health / 1000.0)
+            weights.append(w)
+        x_draw = draw(req.request_id, req.attempt, 1) * sum(weights)
+        for i, w in enumerate(weights):
+            x_draw -= w
+            if x_draw < 0:
+                return i, "band"
+        return len(ids) - 1, "band"
+
     # --- the decision --------------------------------------------------------------------------------
+    def _fast_candidate(self, res, i: int) -> Candidate:
+        return Candidate(**res.candidate_fields(i))
+
     def _decide(self, req: Request, out: list, from_queue: bool) -> bool:
         """Decide one request; True if it was routed. A queued re-decision that does not fit
-        emits nothing (the request keeps its place)."""
+        emits nothing (the request keeps its place). The fast path (streams/candidates.py) decides
+        when it can; otherwise, or when it declines, the scalar scan does."""
         c = self.config
-        res = self.scan(req)
+        res = pick = None
+        if self.fast is not None:
+            res = self.fast.scan(req)
+            if res is not None and res.candidates:
+                pick = self.fast.select(req, res, draw)
+                if pick is None:
+                    res = None
+        if res is None:
+            res = self.scan(req)
         if c.prefill_fallback_mode == "shadow" and not from_queue:
             self._shadow(req, res, out)
         if res.candidates:
-            pool = self._narrow(req, res.candidates)
-            winner, how, band_n = self._select(req, pool, res.affinity_pid)
+            if pick is not None:
+                row, how, band_n = pick
+                winner = self._fast_candidate(res, row)
+            else:
+                pool = self._narrow(req, res.candidates)
+                winner, how, band_n = self._select(req, pool, res.affinity_pid)
             self._reserve(req, winner)
             out.append(self._decision(
                 req.request_id, req.attempt, req.model, "routed", None, 200, None,
@@ -657,6 +709,8 @@ class Router:
         p = winner.p
         p.add_pending(req.key, req.model, req.tokens, self.now)
         p.status = "serving" if p.status == "idle" else p.status
+        if self.fast is not None:
+            self.fast.pending_changed(p, req.model)
         self.reservations[req.key] = p.provider_id
         self.serves.record(p.provider_id, self.now)
         if winner.penalty == 0 and not req.requires_vision and winner.raw_ttft > 0:

@@ -1,0 +1,775 @@
+"""The fast path of the candidate scan (domain §2.12): per-model candidate indexes whose columns hold,
+for every provider advertising the model, the request-independent part of its evaluation, so a
+decision is a few numpy vector operations instead of a Python loop over candidates.
+
+Layout. One `ModelIndex` per model that has been decided at least once: rows in ascending provider
+id (the scan order of rules §2), columns in three 2-D arrays (float64 `F`, int64 `I`, bool `B`,
+each `[column, row]` so a column is contiguous). Provider-level values that change with every
+reservation (pending count, pooled free budget) live in fleet-wide arrays indexed by a provider
+slot number (`gidx`) and are gathered per decision, so a reservation touches O(1) cells.
+
+Keeping it current:
+- a heartbeat rebuilds that provider's rows (scalar, with the same functions the scalar path
+  uses) in every index that exists — only rows whose slot or box-level inputs changed;
+- a reservation or release updates the provider's fleet-wide cells and its row for that model;
+- a provider joining or leaving (or a new session) marks the indexes of its models for a re-layout
+  (done lazily at the next decision; rows of unchanged providers are kept);
+- values read from the rings (fleet decode median, prefill median, solo rates for the quality cap)
+  and the calibrator ratios are refreshed per index, vectorised, when the ring family's per-model
+  version (or the calibrator's observation count) moved since the last refresh;
+- a config change drops every index (rebuilt on the next decision for each model).
+
+Exactness. Request-dependent arithmetic is element-wise IEEE float64 in the formulas' written
+order (rules §2): numpy's +, −, ×, ÷ on float64 round exactly like Python floats, so the fast path
+gives bit-identical TTFT and cost. Integer admissions are exact int64 comparisons (`used + tokens ≤ max` ⇔
+`tokens ≤ max − used`; pooled `… + tokens·rate ≤ total` ⇔ `tokens·rate ≤ free`, no overflow for
+tokens < 2^32 and rate ≤ 2^24). The only reductions are min / argmin /
+counts, which do not depend on the order of evaluation; argmin and the near-tie walk pick the
+first row in provider order, as the scalar path does. Anything outside the ranges where this
+reasoning holds (huge token counts, non-finite costs, values beyond int64, caps the scalar code
+could not compute) falls back to the scalar path — the reference, and the path `explain` traces.
+tests/core/test_fast_path.py checks that both paths give identical outputs on random journals.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+
+from . import admission as adm
+from . import estimates as est
+from .provider import TRUST_RANK
+from .versions import compare_versions
+
+BIG = 1 << 62                # "no limit" for integer thresholds
+TOKEN_LIMIT = 1 << 31        # the fast path handles prompt and max_tokens below this
+SOURCES = ("observed", "median", "anchor", "static")
+SRC = {s: i for i, s in enumerate(SOURCES)}
+NEAR_TIE_MS = 3_000.0
+
+# float columns
+(F_PEN, F_KQ, F_EFF, F_D1, F_PF, F_PFT, F_SPF, F_HEALTH, F_PROJ, F_RATIO, F_STATIC_EFF, F_FB_PF,
+ F_SOLO_STATIC, F_CPEN, F_LM_L, F_LM_B, F_LM_SIZE, F_LM_TOTAL) = range(18)
+NF = 18
+# int columns
+(I_GIDX, I_LOAD, I_CAP, I_BOXMAX, I_BASE, I_EQ, I_W, I_THR, I_RATE, I_BLNUM, I_BLWAIT, I_BLPOT,
+ I_BLPEND, I_FAM, I_CLS, I_SRC, I_FBSRC, I_VER, I_ACCT) = range(19)
+NI = 19
+# bool columns
+(B_PREPUB, B_GATEPUB, B_GATEOWN, B_GATESELF, B_OKSTATE, B_VISION, B_HASMC, B_TL, B_KVS, B_HASBC,
+ B_NOBC, B_LOADED, B_EFFRING, B_PFRING, B_DECPOS, B_LM, B_LMUNL, B_LMFFL, B_LMFFLOK) = range(19)
+NB = 19
+
+
+def _clip(v: int) -> int:
+    """A threshold in int64: beyond ±2^62 only its sign matters (tokens < 2^32 here)."""
+    return BIG if v > BIG else -BIG if v < -BIG else v
+
+
+def _count(mask) -> int:
+    return int(np.count_nonzero(mask))
+
+
+def _exact(v: int) -> int:
+    """A value used in arithmetic: must fit exactly, else the index gives up (scalar path)."""
+    if -BIG <= v <= BIG:
+        return v
+    raise OverflowError("value out of the fast path's range")
+
+
+class ModelIndex:
+    """The candidate columns of one model."""
+
+    __slots__ = ("model", "n", "pids", "provs", "row_of", "F", "I", "B", "layout_dirty", "broken",
+                 "fam_codes", "fams", "cls_codes", "classes", "ver_codes", "acct_codes",
+                 "seen_decode", "seen_prefill", "seen_solo", "seen_calib", "ratio_one",
+                 "floor", "pattern", "solo_rates", "solo_rates_version")
+
+    def __init__(self, model: str):
+        self.model = model
+        self.n = 0
+        self.pids: list[str] = []
+        self.provs: list = []
+        self.row_of: dict[str, int] = {}
+        self.F = np.zeros((NF, 0))
+        self.I = np.zeros((NI, 0), dtype=np.int64)
+        self.B = np.zeros((NB, 0), dtype=bool)
+        self.layout_dirty = True
+        self.broken = False
+        self.fam_codes: dict[str, int] = {}
+        self.fams: list[str] = []
+        self.cls_codes: dict[str, int] = {}
+        self.classes: list[str] = []
+        self.ver_codes: dict[str, int] = {}
+        self.acct_codes: dict[str, int] = {}
+        self.seen_decode = self.seen_prefill = self.seen_solo = self.seen_calib = -1
+        self.ratio_one = True
+        self.floor = None
+        self.pattern = None
+        self.solo_rates: dict[str, float | None] = {}  # chip class -> class_solo_tps, for row builds
+        self.solo_rates_version = -1
+
+    @staticmethod
+    def code(table: dict, names: list | None, key: str) -> int:
+        c = table.get(key)
+        if c is None:
+            c = table[key] = len(table)
+            if names is not None:
+                names.append(key)
+        return c
+
+
+class FastScan:
+    """What the fast scan found: the counters of `Scan`, plus the columns selection needs."""
+
+    __slots__ = ("candidates", "capacity_rejections", "too_large", "ttft_rejections", "best_ttft",
+                 "best_source", "has_ttft", "affinity_pid", "ix", "adm", "cand", "cost", "ttft", "raw",
+                 "npend", "owned", "_admitted")
+
+    def __init__(self, ix=None):
+        self.candidates = range(0)
+        self.capacity_rejections = self.too_large = self.ttft_rejections = 0
+        self.best_ttft = 0.0
+        self.best_source = "none"
+        self.has_ttft = True
+        self.affinity_pid = None
+        self.ix = ix
+        self.adm = self.cand = self.cost = self.ttft = self.raw = self.npend = self.owned = None
+        self._admitted = None
+
+    def candidate_fields(self, i: int) -> dict:
+        """The `Candidate` of row i (the winner), as the scalar scan would have built it."""
+        ix = self.ix
+        p = ix.provs[i]
+        has_bc = p.backend is not None
+        return dict(
+            p=p, slot=p.backend.by_model.get(ix.model) if has_bc else None, cost=self.cost[i].item(),
+            ttft=self.ttft[i].item() if has_bc else 0.0, raw_ttft=self.raw[i].item(),
+            prefill_source=SOURCES[ix.I[I_SRC, i]] if has_bc else "none", penalty=ix.F[F_PEN, i].item(),
+            eff_queue=int(ix.I[I_EQ, i]), total_pending=int(self.npend[i]),
+            projected_tps=ix.F[F_PROJ, i].item(), health=ix.F[F_HEALTH, i].item())
+
+    @property
+    def admitted(self) -> list:
+        """(provider, slot) pairs that passed admission, in scan order (for the shadow telemetry)."""
+        if self._admitted is None:
+            out = []
+            if self.adm is not None:
+                model = self.ix.model
+                for i in np.flatnonzero(self.adm).tolist():
+                    p = self.ix.provs[i]
+                    out.append((p, p.backend.by_model.get(model) if p.backend is not None else None))
+            self._admitted = out
+        return self._admitted
+
+
+class FastPath:
+    """Fleet-wide provider cells plus the per-model indexes, owned by one `Router`."""
+
+    def __init__(self, router):
+        self.router = router
+        self.indexes: dict[str, ModelIndex] = {}
+        self.stats: Counter = Counter()  # scans served / declined (diagnostics, not decisions)
+        self.gidx: dict[str, int] = {}
+        self.free: list[int] = []
+        cap = 64
+        self.npend = np.zeros(cap, dtype=np.int64)
+        self.pool = np.full(cap, BIG, dtype=np.int64)
+        self.byte = np.zeros(cap, dtype=bool)
+
+    # === maintenance ============================================================================
+    def reset(self) -> None:
+        """Config changed: every index is rebuilt on its model's next decision."""
+        self.indexes.clear()
+
+    def provider_added(self, p) -> None:
+        if self.free:
+            g = self.free.pop()
+        else:
+            g = len(self.gidx)
+            if g >= len(self.npend):
+                n = 2 * len(self.npend)
+                self.npend = np.resize(self.npend, n)
+                self.pool = np.resize(self.pool, n)
+                self.byte = np.resize(self.byte, n)
+        self.gidx[p.provider_id] = g
+        self._provider_cells(p, g)
+        for model in p.models:
+            ix = self.indexes.get(model)
+            if ix is not None:
+                ix.layout_dirty = True
+
+    def provider_removed(self, p) -> None:
+        g = self.gidx.pop(p.provider_id, None)
+        if g is not None:
+            self.free.append(g)
+        for model in p.models:
+            ix = self.indexes.get(model)
+            if ix is not None:
+                ix.layout_dirty = True
+
+    @staticmethod
+    def snapshot(p) -> tuple:
+        """What a heartbeat may change that rows depend on (taken before the heartbeat applies)."""
+        return (p.backend, p.status, p.thermal, p.memory_pressure, p.cpu_usage)
+
+    def provider_changed(self, p, before: tuple | None = None) -> None:
+        """A heartbeat changed the provider's state: rebuild its rows — only those whose inputs
+        changed when `before` (a `snapshot`) is given. Ring- and calibrator-derived columns are
+        refreshed per index anyway, so a row whose slot and box-level inputs are unchanged stays."""
+        g = self.gidx.get(p.provider_id)
+        if g is None:
+            return
+        if self._provider_cells(p, g):
+            before = None  # byte/token accounting flipped: every row's rate changes
+        old = None
+        if before is not None:
+            b_old, b_new = before[0], p.backend
+            if before[1:] == (p.status, p.thermal, p.memory_pressure, p.cpu_usage) and (
+                    (b_old is None and b_new is None) or (
+                        b_old is not None and b_new is not None
+                        and b_old.total_memory_gb == b_new.total_memory_gb
+                        and b_old.gpu_memory_active_gb == b_new.gpu_memory_active_gb
+                        and b_old.free_for_load_gb == b_new.free_for_load_gb
+                        and b_old.any_budget == b_new.any_budget
+                        and b_old.pool.max_rate == b_new.pool.max_rate)):
+                old = b_old
+                if b_old is None:
+                    return  # legacy before and after, same metrics: nothing a row reads changed
+        self._rebuild_provider_rows(p, old)
+
+    def pending_changed(self, p, model: str) -> None:
+        """A reservation was added to or removed from the provider (for `model`)."""
+        g = self.gidx.get(p.provider_id)
+        if g is None:
+            return
+        if self._provider_cells(p, g):  # byte/token accounting flipped: every row's rate changes
+            self._rebuild_provider_rows(p)
+            return
+        ix = self.indexes.get(model)
+        if ix is None or ix.broken:  # a dirty layout is still the current one
+            return
+        i = ix.row_of.get(p.provider_id)
+        if i is None or ix.provs[i] is not p:
+            return
+        slot = p.backend.by_model.get(model) if p.backend is not None else None
+        pbm = p.pending_by_model.get(model, 0)
+        ptbm = p.pending_tokens_by_model.get(model, 0)
+        rw = slot.num_running + slot.num_waiting if slot is not None else 0
+        waiting = slot.num_waiting if slot is not None else 0
+        eq = max(pbm, rw)
+        F, I = ix.F, ix.I
+        if slot is not None and slot.max_concurrency > 0:
+            I[I_LOAD, i] = eq
+        I[I_EQ, i] = eq
+        F[F_KQ, i] = F[F_PEN, i].item() + est.QUEUE_MS * eq
+        I[I_W, i] = waiting + max(0, pbm - rw)
+        if slot is not None and slot.budget_max > 0:
+            uq = slot.budget_used + slot.queued_budget
+            committed = max(0, max(uq, slot.max_tokens_potential))
+            I[I_THR, i] = _clip(slot.budget_max - uq - max(0, ptbm - committed))
+        else:
+            potential = slot.max_tokens_potential if slot is not None else 0
+            try:
+                I[I_BLNUM, i] = _exact(potential + max(0, ptbm - potential))
+                I[I_BLPEND, i] = _exact(ptbm)
+            except OverflowError:
+                ix.broken = True
+
+    def _provider_cells(self, p, g: int) -> bool:
+        """Refresh the fleet-wide cells of a provider; True if its byte-mode flag changed."""
+        self.npend[g] = len(p.pending)
+        b = p.backend
+        byte = False
+        if b is None or b.pool.total <= 0:
+            free = BIG
+        else:
+            pool = b.pool
+            pending_bytes = p.pending_bytes()
+            if pool.byte_mode and pending_bytes is not None:
+                byte = True
+                free = pool.total_bytes - pool.used_bytes - max(0, pending_bytes - pool.committed_bytes)
+            else:
+                free = pool.total - pool.used - max(0, p.pending_tokens_all - pool.committed)
+        self.pool[g] = _clip(free)
+        flipped = bool(self.byte[g]) != byte
+        self.byte[g] = byte
+        return flipped
+
+    def _rebuild_provider_rows(self, p, old_backend=None) -> None:
+        """Rebuild p's rows; with `old_backend` (same box-level inputs), only rows whose slot changed."""
+        pv = None
+        new_slots = p.backend.by_model if p.backend is not None else None
+        for model in p.models:
+            ix = self.indexes.get(model)
+            if ix is None or ix.broken:  # a dirty layout is still the current one
+                continue
+            i = ix.row_of.get(p.provider_id)
+            if i is None or ix.provs[i] is not p:
+                continue
+            if old_backend is not None and old_backend.by_model.get(model) == new_slots.get(model):
+                continue
+            if pv is None:
+                pv = self._provider_view(p)
+            self._write_row(ix, i, p, pv)
+
+    # --- rows -------------------------------------------------------------------------------------
+    def _provider_view(self, p) -> tuple:
+        c = self.router.config
+        return (p.box_max_concurrency(c), est.health_ms(p), p.static_decode_tps(),
+                p.static_prefill_tps(c), min(p.static_prefill_tps(c), c.max_prefill_tps),
+                p.total_memory_gb(), TRUST_RANK[p.trust] >= TRUST_RANK[c.min_trust],
+                p.status == "draining", p.thermal == "critical", bool(self.byte[self.gidx[p.provider_id]]))
+
+    def _write_row(self, ix: ModelIndex, i: int, p, pv: tuple) -> None:
+        try:
+            f, n, b = self._row(ix, p, pv)
+        except (ArithmeticError, ValueError):  # e.g. a cap the scalar path cannot compute either
+            ix.broken = True
+            return
+        ix.F[:, i] = f
+        ix.I[:, i] = n
+        ix.B[:, i] = b
+        if f[F_RATIO] != 1.0:
+            ix.ratio_one = False
+
+    def _row(self, ix: ModelIndex, p, pv: tuple) -> tuple[tuple, tuple, tuple]:
+        r = self.router
+        c, rings, model = r.config, r.rings, ix.model
+        box_max, health, static_decode, static_prefill, spf, total, trust_ok, draining, critical, byte = pv
+        b = p.backend
+        slot = b.by_model.get(model) if b is not None else None
+        state = slot.state if slot is not None else "unknown"
+        pen = est.state_penalty(state)
+        loaded = slot is not None and slot.loaded
+        okstate = state not in ("crashed", "reloading")
+        # gates (domain §2.2): public / owner (trust relaxed) / owner self-route
+        floor = ix.floor
+        vfloor_ok = floor is None or bool(p.version and compare_versions(p.version, floor) >= 0)
+        pattern = ix.pattern
+        ded_ok = pattern is None or not any(pattern not in m.lower() for m in p.models)
+        gate_own = not draining and not p.private_only and ded_ok and vfloor_ok
+        gate_pub = gate_own and trust_ok
+        gate_self = not draining and vfloor_ok
+        entry = p.models[model]
+        # concurrency
+        has_mc = slot is not None and slot.max_concurrency > 0
+        base = slot.max_concurrency if has_mc else box_max
+        if c.quality_cap:
+            v = rings.solo.version(model)
+            if v != ix.solo_rates_version:
+                ix.solo_rates.clear()
+                ix.solo_rates_version = v
+            rates = ix.solo_rates
+            if p.chip_class in rates:
+                class_rate = rates[p.chip_class]
+            else:
+                class_rate = rates[p.chip_class] = adm.class_solo_tps(model, p.chip_class, c, rings)
+            cap = adm.cap_for_class_rate(p, model, base, class_rate, c)
+        else:
+            cap = base
+        rw = slot.num_running + slot.num_waiting if slot is not None else 0
+        waiting = slot.num_waiting if slot is not None else 0
+        pbm = p.pending_by_model.get(model, 0)
+        ptbm = p.pending_tokens_by_model.get(model, 0)
+        eq = max(pbm, rw)
+        toolarge = not loaded and not adm.hardware_fits(p, model)
+        # KV admission thresholds
+        budget = slot is not None and slot.budget_max > 0
+        if budget:
+            uq = slot.budget_used + slot.queued_budget
+            committed = max(0, max(uq, slot.max_tokens_potential))
+            thr = _clip(slot.budget_max - uq - max(0, ptbm - committed))
+            blnum, blwait, blpot, blpend = _exact(uq), 0, 0, 0
+        else:
+            thr = BIG
+            potential = slot.max_tokens_potential if slot is not None else 0
+            blnum = _exact(potential + max(0, ptbm - potential))
+            blwait, blpot, blpend = waiting, potential, _exact(ptbm)
+        rate = 1
+        if byte:
+            rate = slot.kv_bytes_per_token if slot is not None and slot.kv_bytes_per_token > 0 else b.pool.max_rate
+        size = entry.size_gb
+        lm = not budget and size > 0 and total > 0
+        ffl = b.free_for_load_gb if b is not None else None
+        lm_ffl = ffl is not None
+        lm_fflok = lm_ffl and size * 1.2 * (1e9 / adm.GIB) <= ffl
+        active = b.gpu_memory_active_gb if b is not None else 0.0
+        # rates and estimates
+        recal = c.prefill_fallback_mode == "enforce"
+        eff = est.effective_tps(p, model, slot, c, rings)
+        pf, src = est.resolve_prefill(p, model, slot, c, rings, recal)
+        fb_pf, fb_src = est.prefill_fallback(p, c, recal)
+        static_eff = est.static_effective_tps(p, slot, c)
+        ratio = r.calibrator.ratio(model, p.family, src) if c.ttft_calibration else 1.0
+        proj = est.projected_decode_tps(p, slot, c)
+        fam = ix.code(ix.fam_codes, ix.fams, p.family)
+        cls = ix.code(ix.cls_codes, ix.classes, p.chip_class)
+        ver = ix.code(ix.ver_codes, None, p.version)
+        acct = ix.code(ix.acct_codes, None, p.account_id) if p.account_id is not None else -1
+        has_bc = b is not None
+        f = (pen, pen + est.QUEUE_MS * eq, eff, 1000 / (eff if eff > 0 else 1.0), pf, pf if pf > 0 else 1.0,
+             spf, health, proj, ratio, static_eff, fb_pf, static_decode, 0.0 if loaded else pen,
+             total - active, 0.0 if loaded else size, size, total)
+        n = (self.gidx[p.provider_id], eq if has_mc else 0, cap, box_max, base, eq,
+             waiting + max(0, pbm - rw), thr, rate, blnum, blwait, blpot, blpend, fam, cls, SRC[src],
+             SRC[fb_src], ver, acct)
+        bb = (gate_pub and okstate, gate_pub, gate_own, gate_self, okstate, entry.is_vision, has_mc,
+              not critical and toolarge, not critical and not toolarge, has_bc, not has_bc, loaded,
+              not (slot is not None and slot.observed_decode_tps > 0),
+              not (slot is not None and slot.observed_prefill_tps > 0),
+              p.decode_tps > 0, lm, not loaded, lm_ffl, lm_fflok)
+        return f, n, bb
+
+    # --- index build, re-layout and ring refresh -------------------------------------------------
+    def index(self, model: str) -> ModelIndex | None:
+        """The model's index, current; None when the fast path cannot serve it."""
+        ix = self.indexes.get(model)
+        if ix is None:
+            ix = self.indexes[model] = ModelIndex(model)
+            c = self.router.config
+            ix.floor = c.version_floor(model)
+            ix.pattern = c.is_dedicated(model)
+        if ix.broken:
+            return None
+        if ix.layout_dirty:
+            self._relayout(ix)
+            if ix.broken:
+                return None
+        self._refresh(ix)
+        return None if ix.broken else ix
+
+    def _relayout(self, ix: ModelIndex) -> None:
+        r = self.router
+        pids = list(r.by_model.get(ix.model, ()))
+        provs = [r.providers[pid] for pid in pids]
+        n = len(pids)
+        take = np.zeros(n, dtype=np.int64)
+        rebuild = []
+        old_row, old_provs = ix.row_of, ix.provs
+        for j, (pid, p) in enumerate(zip(pids, provs)):
+            i = old_row.get(pid)
+            if i is not None and old_provs[i] is p:
+                take[j] = i
+            else:
+                rebuild.append(j)
+        if ix.n:
+            F, I, B = ix.F[:, take], ix.I[:, take], ix.B[:, take]
+        else:
+            F, I, B = np.zeros((NF, n)), np.zeros((NI, n), dtype=np.int64), np.zeros((NB, n), dtype=bool)
+        ix.F, ix.I, ix.B = F, I, B
+        ix.n, ix.pids, ix.provs = n, pids, provs
+        ix.row_of = {pid: j for j, pid in enumerate(pids)}
+        ix.layout_dirty = False
+        views: dict = {}
+        for j in rebuild:
+            p = provs[j]
+            pv = views.get(id(p))
+            if pv is None:
+                pv = views[id(p)] = self._provider_view(p)
+            self._write_row(ix, j, p, pv)
+
+    def _refresh(self, ix: ModelIndex) -> None:
+        """Re-read ring medians / solo rates / calibrator ratios that moved since the last look."""
+        r = self.router
+        c, rings, model = r.config, r.rings, ix.model
+        if ix.n == 0:
+            return
+        v = rings.decode.version(model)
+        if v != ix.seen_decode:
+            ix.seen_decode = v
+            self._refresh_decode(ix)
+        v = rings.prefill.version(model)
+        if v != ix.seen_prefill:
+            ix.seen_prefill = v
+            self._refresh_prefill(ix)
+        v = rings.solo.version(model)
+        if v != ix.seen_solo:
+            ix.seen_solo = v
+            self._refresh_cap(ix)
+        v = r.calibrator.observations
+        if v != ix.seen_calib:
+            ix.seen_calib = v
+            self._refresh_ratio(ix)
+
+    def _refresh_decode(self, ix: ModelIndex) -> None:
+        mask = ix.B[B_EFFRING]
+        if not mask.any():
+            return
+        rings = self.router.rings
+        table = np.array([rings.decode.median(ix.model, fam) for fam in ix.fams] or [0.0])
+        med = table[ix.I[I_FAM]]
+        F = ix.F
+        np.copyto(F[F_EFF], np.where(med > 0, med, F[F_STATIC_EFF]), where=mask)
+        eff = F[F_EFF]
+        F[F_D1] = 1000 / np.where(eff > 0, eff, 1.0)
+
+    def _refresh_prefill(self, ix: ModelIndex) -> None:
+        c = self.router.config
+        mask = ix.B[B_PFRING]
+        if not c.prefill_medians or not mask.any():
+            return
+        rings = self.router.rings
+        stats = [rings.prefill.stats(ix.model, cls) for cls in ix.classes] or [(0.0, 0)]
+        med = np.array([s[0] for s in stats])[ix.I[I_CLS]]
+        cnt = np.array([s[1] for s in stats], dtype=np.int64)[ix.I[I_CLS]]
+        ok = (med > 0) & (cnt >= c.prefill_min_samples)
+        F, I = ix.F, ix.I
+        np.copyto(F[F_PF], np.minimum(np.where(ok, med, F[F_FB_PF]), c.max_prefill_tps), where=mask)
+        np.copyto(I[I_SRC], np.where(ok, SRC["median"], I[I_FBSRC]), where=mask)
+        pf = F[F_PF]
+        F[F_PFT] = np.where(pf > 0, pf, 1.0)
+        self._refresh_ratio(ix)
+
+    def _refresh_ratio(self, ix: ModelIndex) -> None:
+        r = self.router
+        if not r.config.ttft_calibration:
+            return
+        cal = r.calibrator
+        table = np.array([[cal.ratio(ix.model, fam, s) for s in SOURCES] for fam in ix.fams] or [[1.0] * 4])
+        ix.F[F_RATIO] = table[ix.I[I_FAM], ix.I[I_SRC]]
+        ix.ratio_one = bool((table == 1.0).all())
+
+    def _refresh_cap(self, ix: ModelIndex) -> None:
+        """The quality cap of every row (domain §2.6), vectorised; mirrors `admission.effective_cap`."""
+        r = self.router
+        c, model = r.config, ix.model
+        I, F = ix.I, ix.F
+        base = I[I_BASE]
+        if not c.quality_cap:
+            I[I_CAP] = base
+            return
+        rates = [adm.class_solo_tps(model, cls, c, r.rings) for cls in ix.classes] or [None]
+        has_t = np.array([x is not None for x in rates])
+        rate_t = np.array([x if x is not None else 0.0 for x in rates])
+        cls = I[I_CLS]
+        per_model = has_t[cls]
+        rate = np.where(per_model, rate_t[cls], F[F_SOLO_STATIC])
+        skip = ~ix.B[B_DECPOS] & ~per_model
+        if ix.pattern is not None:
+            skip[:] = False
+        try:
+            fallback = float(c.fallback_concurrency)
+        except OverflowError:
+            ix.broken = True
+            return
+        basef = base.astype(np.float64)
+        limit = np.maximum(1.0, np.where(base > 0, basef, fallback))
+        floor, k = c.decode_floor, c.k
+        with np.errstate(all="ignore"):
+            if floor <= 0 or k <= 0:
+                qc = limit
+            else:
+                b = np.floor((rate / floor - 1) / k)
+                used = ~skip & (rate > floor)
+                if not np.isfinite(b[used]).all():
+                    ix.broken = True  # math.floor would raise: let the scalar path say so
+                    return
+                qc = np.where(rate <= 0, limit, np.where(rate <= floor, 1.0, np.maximum(1.0, np.minimum(limit, b))))
+            prod = qc * c.overcommit_for(model)
+        if not np.isfinite(prod[~skip]).all():
+            ix.broken = True
+            return
+        capped = np.maximum(1.0, np.ceil(prod))
+        I[I_CAP] = np.where(skip, basef, np.minimum(capped, basef)).astype(np.int64)
+
+    # === the decision =============================================================================
+    def scan(self, req) -> FastScan | None:
+        """The candidate scan for one stamped request, or None to use the scalar path."""
+        P, R = req.prompt, req.max_tokens
+        if not (0 <= P < TOKEN_LIMIT and 0 < R < TOKEN_LIMIT):
+            self.stats["declined_tokens"] += 1
+            return None
+        r = self.router
+        model = req.model
+        if not r.by_model.get(model):
+            self.stats["scans"] += 1
+            return FastScan()
+        ix = self.index(model)
+        if ix is None:
+            self.stats["declined_index"] += 1
+            return None
+        self.stats["scans"] += 1
+        with np.errstate(all="ignore"):
+            return self._scan(req, ix, P, R)
+
+    def _scan(self, req, ix: ModelIndex, P: int, R: int) -> FastScan:
+        r = self.router
+        c = r.config
+        F, I, Bc = ix.F, ix.I, ix.B
+        res = FastScan(ix)
+        g = I[I_GIDX]
+        npend = self.npend[g]
+        res.npend = npend
+        # --- filters and gates (domain §2.2) ---
+        owned = None
+        acct = req.account_id
+        if acct is not None:
+            code = ix.acct_codes.get(acct)
+            if code is not None:
+                owned = I[I_ACCT] == code
+        res.owned = owned
+        if req.self_route_only:
+            if owned is None:
+                return res
+            elig = owned & Bc[B_GATESELF] & Bc[B_OKSTATE]
+        elif owned is not None:
+            elig = np.where(owned, Bc[B_GATEOWN], Bc[B_GATEPUB]) & Bc[B_OKSTATE]
+        else:
+            elig = Bc[B_PREPUB]
+        if req.requires_vision:
+            elig = elig & Bc[B_VISION]
+        if req.allowed or req.excluded:
+            keep = np.zeros(ix.n, dtype=bool) if req.allowed else np.ones(ix.n, dtype=bool)
+            row_of = ix.row_of
+            for pid in req.allowed:
+                i = row_of.get(pid)
+                if i is not None:
+                    keep[i] = True
+            for pid in req.excluded:
+                i = row_of.get(pid)
+                if i is not None:
+                    keep[i] = False
+            elig = elig & keep
+        # --- headroom, thermal, hardware fit, KV admission (domain §2.6–2.10) ---
+        head = np.where(Bc[B_HASMC], I[I_LOAD], npend) < I[I_CAP]
+        head &= npend < I[I_BOXMAX]
+        ph = elig & head
+        count = _count
+        n_cap = count(elig) - count(ph)
+        res.too_large = count(ph & Bc[B_TL])
+        kvs = ph & Bc[B_KVS]
+        T = P + R
+        # per slot: T ≤ threshold; pooled: used + pending + T·rate ≤ total ⇔ T·rate ≤ free
+        # (T < 2^32 and rate ≤ 2^24, so T·rate cannot overflow int64)
+        ok = (T <= I[I_THR]) & (T * I[I_RATE] <= self.pool[g])
+        lm = Bc[B_LM]
+        if lm.any():
+            kv_gb = min(T, adm.MAX_KV_TOKENS) * adm.KV_DEFAULT_BYTES_PER_TOKEN / adm.GIB
+            with_load = F[F_LM_L] >= F[F_LM_B] + kv_gb
+            fresh = np.where(Bc[B_LMFFL], Bc[B_LMFFLOK], F[F_LM_SIZE] + kv_gb + 4 <= F[F_LM_TOTAL])
+            ok &= ~lm | np.where(Bc[B_LMUNL] & (npend == 0), fresh, with_load)
+        admitted = kvs & ok
+        res.adm = admitted
+        n_adm = count(admitted)
+        res.capacity_rejections = n_cap + count(kvs) - n_adm
+        if n_adm == 0:
+            return res
+        # --- TTFT (domain §2.13) ---
+        has_bc = Bc[B_HASBC]
+        pft = F[F_PFT]
+        W = I[I_W]
+        if P > 0 and W.any():
+            raw = F[F_PEN] + P * W / pft * 1000 + P / pft * 1000 + F[F_D1]
+        else:
+            raw = F[F_PEN] + P / pft * 1000 + F[F_D1]
+        if np.isfinite(raw).all():  # then raw > 0 (1000 / eff > 0): only rows without capacity are 0
+            raw = np.where(has_bc, raw, 0.0)
+        else:
+            raw = np.where(has_bc & (raw > 0) & np.isfinite(raw), raw, 0.0)
+        if c.ttft_calibration and not ix.ratio_one:
+            ratio, pen = F[F_RATIO], F[F_PEN]
+            scaled = np.where((0 <= pen) & (pen < raw), pen + (raw - pen) * ratio, raw)
+            ttft = np.where((raw <= 0) | (ratio == 1.0), raw, scaled)
+        else:
+            ttft = raw
+        res.raw, res.ttft = raw, ttft
+        best_mask = admitted & has_bc & (ttft > 0)
+        i = int(np.where(best_mask, ttft, np.inf).argmin())
+        if best_mask[i]:
+            res.best_ttft, res.best_source = ttft[i].item(), SOURCES[I[I_SRC, i]]
+        if (admitted & Bc[B_NOBC]).any():
+            res.has_ttft = False
+        cand = admitted
+        if req.max_ttft_ms > 0:
+            rej = admitted & has_bc & (ttft > req.max_ttft_ms)
+            res.ttft_rejections = n_rej = count(rej)
+            if n_rej:
+                cand = admitted & ~rej
+        n_cand = n_adm - res.ttft_rejections
+        res.cand = cand
+        res.candidates = range(n_cand)
+        if n_cand == 0:
+            return res
+        # --- cost (domain §2.11) ---
+        eff = F[F_EFF]
+        num = I[I_BLNUM]
+        wait = I[I_BLWAIT]
+        if wait.any():
+            wr = wait * R
+            pot = I[I_BLPOT]
+            num = np.where(wait > 0, pot + wr + np.maximum(0, I[I_BLPEND] - pot - wr), num)
+        this_req = P / F[F_SPF] * 1000 + R / eff * 1000
+        if c.long_prompt_tokens > 0 and P >= c.long_prompt_tokens:
+            this_req = this_req + (c.long_prompt_weight - 1) * (P / F[F_PF] * 1000 + F[F_CPEN])
+        cost = F[F_KQ] + est.PENDING_MS * npend + num / eff * 1000 + this_req + F[F_HEALTH]
+        aff = r._affinity_lookup(req)
+        res.affinity_pid = aff
+        if aff is not None:
+            i = ix.row_of.get(aff)
+            if i is not None and cand[i] and c.affinity_bonus_ms > 0:
+                x = cost[i].item()
+                cost[i] = x - min(c.affinity_bonus_ms, x)
+        res.cost = cost
+        return res
+
+    def select(self, req, res: FastScan, draw):
+        """Narrowing (domain §2.12) and selection (§2.16, §2.17) on a fast scan with candidates.
+        Returns (row, how, band_members), or None when the scalar path must decide."""
+        r = self.router
+        c = r.config
+        ix = res.ix
+        F, I, Bc = ix.F, ix.I, ix.B
+        pool = res.cand
+        if req.prefer_owner and res.owned is not None:
+            x = pool & res.owned
+            if x.any():
+                pool = x
+        if req.avoid_version:
+            code = ix.ver_codes.get(req.avoid_version)
+            if code is not None:
+                x = pool & (I[I_VER] != code)
+                if x.any():
+                    pool = x
+        if req.min_decode_tps > 0:
+            x = pool & (F[F_PROJ] >= req.min_decode_tps)
+            if x.any():
+                pool = x
+        aff = res.affinity_pid
+        aff_row = ix.row_of.get(aff) if aff is not None else None
+        if c.band:
+            if req.max_ttft_ms > 0:
+                band = pool & Bc[B_HASBC] & ~(res.ttft > req.max_ttft_ms - c.band_margin_ms)
+            else:
+                band = pool & Bc[B_LOADED]
+            if req.min_decode_tps > 0:
+                band &= ~(F[F_PROJ] < req.min_decode_tps)
+            rows = np.flatnonzero(band)
+            if len(rows):
+                rows = rows.tolist()
+                pos, how = r._band_choice(req, [ix.pids[i] for i in rows],
+                                          F[F_HEALTH][rows].tolist(), aff)
+                return rows[pos], how, len(rows)
+        rows = np.flatnonzero(pool)
+        cost = res.cost[rows]
+        best = cost.min().item()
+        if not math.isfinite(best):
+            self.stats["declined_cost"] += 1
+            return None
+        near_sel = np.abs(cost - best) <= NEAR_TIE_MS
+        near = rows[near_sel]
+        # winner = first near-tie with the lowest (effective queue, total pending); key packs both
+        key = (I[I_EQ][near] << 32) + res.npend[near]
+        same = key == key.min()
+        # `equivalent` of domain §2.16 step 4 is exactly `same`: every near-tie cost lies in
+        # [best, best + 3000], so any two are within 3000 of each other (rounding is monotonic).
+        equivalent = near[same]
+        if len(equivalent) > 1:
+            winner = int(equivalent[math.floor(draw(req.request_id, req.attempt, 0) * len(equivalent))])
+            how = "near_tie_random"
+        else:
+            winner, how = int(equivalent[0]), "cheapest"
+        if aff_row is not None and pool[aff_row] and abs(res.cost[aff_row].item() - best) <= NEAR_TIE_MS:
+            return aff_row, "affinity", 0
+        return winner, how, 0

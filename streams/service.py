@@ -12,6 +12,8 @@ Environment (adapter settings, not routing settings):
   SWITCHYARD_APP_ID        consumer group / app id (default switchyard)
   SWITCHYARD_TOPIC_PREFIX  prefix for every topic name (default none; tests isolate with it)
   EIGENINFERENCE_*         routing settings; recorded in the journal before the first decision
+  KAFKA_SECURITY_PROTOCOL, KAFKA_SASL_MECHANISM, KAFKA_SASL_USERNAME, KAFKA_SASL_PASSWORD,
+  KAFKA_SSL_CAFILE         broker connection security (streams/kafka_security.py, docs/security.md)
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from . import codec
 from .config import Config
+from .kafka_security import KafkaSecurity
 from .router import Router
 
 DOMAIN_KEY = b"default"  # one routing domain: the journal's (and config topic's) constant key
@@ -73,15 +76,19 @@ def _rocksdb_options() -> dict:
             "max_open_files": 256}
 
 
+SECURITY = KafkaSecurity.from_env()  # PLAINTEXT unless KAFKA_SECURITY_PROTOCOL says otherwise
+
 app = faust.App(
     os.environ.get("SWITCHYARD_APP_ID", "switchyard"),
     broker="kafka://" + os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
+    broker_credentials=SECURITY.faust_credentials(),
     store="rocksdb://",
     datadir=os.environ.get("SWITCHYARD_DATADIR", "var/worker"),
     web_bind=os.environ.get("SWITCHYARD_WEB_BIND", "127.0.0.1"),
     web_host="127.0.0.1",
     web_port=int(os.environ.get("SWITCHYARD_WEB_PORT", "6066")),
     web_tables_enabled=False,
+    web_router_enabled=False,
     topic_partitions=1,
     topic_replication_factor=1,
     broker_session_timeout=10.0,
@@ -306,7 +313,8 @@ async def catch_up(router: Router, until: int) -> None:
     """Fold the journal entries the core has not seen, up to (excluding) `until`, discarding their
     outputs (they were published when first applied): the in-memory state is a pure function of
     the journal (architecture, invariant 1). A fresh worker rebuilds this way."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=BOOTSTRAP, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(bootstrap_servers=BOOTSTRAP, enable_auto_commit=False,
+                                **SECURITY.aiokafka_kwargs())
     await consumer.start()
     try:
         tp = TopicPartition(journal_topic.get_topic_name(), 0)

@@ -51,13 +51,22 @@ def clamp_float(value, lo: float, hi: float) -> float:
     return hi if v > hi else v
 
 
+MIN_RATE = 1e-3  # tok/s or GB/s: anything slower is no measurement (and would divide to Inf)
+
+
+def clamp_rate(value, hi: float) -> float:
+    """A rate clamped to [0, hi], with absurdly small (e.g. subnormal) values counted as 0."""
+    v = clamp_float(value, 0.0, hi)
+    return v if v >= MIN_RATE else 0.0
+
+
 def zero_outside(value, hi: float) -> float:
-    """NaN, negative or above hi → 0 (the prefill ingest rule: zeroed, not clamped)."""
+    """NaN, negative, absurdly small or above hi → 0 (the prefill ingest rule: zeroed, not clamped)."""
     try:
         v = float(value)
     except (TypeError, ValueError, OverflowError):
         return 0.0
-    return v if 0 <= v <= hi else 0.0
+    return v if MIN_RATE <= v <= hi else 0.0
 
 
 def clamp_int(value, lo: int, hi: int) -> int:
@@ -199,9 +208,9 @@ class ProviderState:
         tier = _string(hw.get("chip_tier"), "chip_tier")
         self.chip_class = f"{self.family}|{tier}" if self.family else self.chip_name
         self.memory_gb = clamp_float(hw.get("memory_gb"), 0.0, MAX_MEMORY_GB)
-        self.bandwidth_gbs = clamp_float(hw.get("memory_bandwidth_gbs"), 0.0, MAX_BANDWIDTH_GBS)
-        self.decode_tps = clamp_float(event.get("decode_tps"), 0.0, MAX_DECODE_TPS)
-        self.prefill_tps = clamp_float(event.get("prefill_tps"), 0.0, config.max_prefill_tps)
+        self.bandwidth_gbs = clamp_rate(hw.get("memory_bandwidth_gbs"), MAX_BANDWIDTH_GBS)
+        self.decode_tps = clamp_rate(event.get("decode_tps"), MAX_DECODE_TPS)
+        self.prefill_tps = clamp_rate(event.get("prefill_tps"), config.max_prefill_tps)
         self.models: dict[str, ModelEntry] = {}
         for m in models:
             mid = _string(m.get("id"), "models[].id")
@@ -266,7 +275,7 @@ class ProviderState:
                 num_waiting=clamp_int(s.get("num_waiting"), 0, MAX_COUNT),
                 max_concurrency=mc,
                 max_tokens_potential=clamp_int(s.get("max_tokens_potential"), 0, MAX_TOKENS_POTENTIAL),
-                observed_decode_tps=clamp_float(s.get("observed_decode_tps"), 0.0, MAX_DECODE_TPS),
+                observed_decode_tps=clamp_rate(s.get("observed_decode_tps"), MAX_DECODE_TPS),
                 observed_prefill_tps=zero_outside(s.get("observed_prefill_tps"), config.max_prefill_tps),
                 budget_used=clamp_int(s.get("active_token_budget_used"), 0, MAX_BUDGET),
                 budget_max=clamp_int(s.get("active_token_budget_max"), 0, MAX_BUDGET),

@@ -2,7 +2,8 @@
 
 Decisions are matched by (request_id, attempt) and their order within that identity (a queued
 request has two). `estimated_ttft_ms` and `cost_ms` compare within 0.01 ms (rules §2); every other
-field exactly.
+field exactly. A recorded decision repeated byte for byte (a worker re-sending its outbox after a
+crash: at-least-once delivery) is counted as a duplicate, not as a difference.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ TOLERANT = {"estimated_ttft_ms": 0.01, "cost_ms": 0.01}
 class AuditReport:
     compared: int = 0
     matched: int = 0
+    duplicates: int = 0                               # identical re-sent copies of a recorded decision
     differences: list = field(default_factory=list)   # (request_id, attempt, n, field, recorded, replayed)
     missing: list = field(default_factory=list)       # recorded but not reproduced
     extra: list = field(default_factory=list)         # reproduced but not recorded
@@ -27,7 +29,8 @@ class AuditReport:
     def summary(self) -> str:
         lines = [f"decisions compared: {self.compared}, identical: {self.matched}, "
                  f"with differences: {len({d[:3] for d in self.differences})}, "
-                 f"missing from replay: {len(self.missing)}, not recorded: {len(self.extra)}"]
+                 f"missing from replay: {len(self.missing)}, not recorded: {len(self.extra)}, "
+                 f"identical re-sent copies: {self.duplicates}"]
         for rid, attempt, n, name, rec, rep in self.differences[:200]:
             lines.append(f"  {rid}#{attempt} (decision {n + 1}): {name}: recorded {rec!r}, replayed {rep!r}")
         for d in self.missing[:50]:
@@ -38,16 +41,20 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def _by_identity(decisions) -> dict:
-    grouped = defaultdict(list)
+def _by_identity(decisions) -> tuple[dict, int]:
+    grouped, duplicates = defaultdict(list), 0
     for d in decisions:
-        grouped[(d["request_id"], d["attempt"])].append(d)
-    return grouped
+        same = grouped[(d["request_id"], d["attempt"])]
+        if d in same:
+            duplicates += 1
+        else:
+            same.append(d)
+    return grouped, duplicates
 
 
 def compare(recorded: list[dict], replayed: list[dict], fields: list[str] | None = None) -> AuditReport:
     report = AuditReport()
-    rec_by, rep_by = _by_identity(recorded), _by_identity(replayed)
+    (rec_by, report.duplicates), (rep_by, _) = _by_identity(recorded), _by_identity(replayed)
     for ident, recs in rec_by.items():
         reps = rep_by.get(ident, [])
         for n, rec in enumerate(recs):

@@ -19,7 +19,7 @@ MAX_PREDICTIONS = 8192
 
 
 class TtftCalibrator:
-    __slots__ = ("by_family", "by_model", "predictions", "observations")
+    __slots__ = ("by_family", "by_model", "predictions", "observations", "seq", "_next", "dirty")
 
     def __init__(self):
         self.by_family: dict[tuple[str, str, str], SampleRing] = {}
@@ -27,6 +27,9 @@ class TtftCalibrator:
         # (request_id, attempt) -> (model, family, source, raw_ms, at_ms); insertion = time order
         self.predictions: OrderedDict[tuple[str, int], tuple[str, str, str, float, float]] = OrderedDict()
         self.observations = 0
+        self.seq: dict[tuple[str, int], int] = {}   # insertion order of predictions, for restore
+        self._next = 0
+        self.dirty: set[tuple] = set()  # ("cw", model, family, source) / ("cm", ...) / ("cp", rid, attempt)
 
     def ratio(self, model: str, family: str, source: str) -> float:
         ring = self.by_family.get((model, family, source))
@@ -46,24 +49,36 @@ class TtftCalibrator:
 
     def note_prediction(self, key: tuple[str, int], model: str, family: str, source: str,
                         raw: float, now: float) -> None:
-        self.predictions.pop(key, None)
+        self.forget(key)
         self.predictions[key] = (model, family, source, raw, now)
+        self.seq[key] = self._next
+        self._next += 1
+        self.dirty.add(("cp", *key))
         while len(self.predictions) > MAX_PREDICTIONS:
-            self.predictions.popitem(last=False)
+            self.forget(next(iter(self.predictions)))
+
+    def forget(self, key: tuple[str, int]):
+        note = self.predictions.pop(key, None)
+        if note is not None:
+            self.seq.pop(key, None)
+            self.dirty.add(("cp", *key))
+        return note
 
     def observe(self, key: tuple[str, int], actual_ms: float, now: float) -> bool:
         """Feed one measured TTFT; True if it reached a window."""
-        note = self.predictions.pop(key, None)
+        note = self.forget(key)
         if note is None or not actual_ms > 0 or actual_ms == float("inf"):
             return False
         model, family, source, raw, at = note
         if now - at >= PREDICTION_TTL_MS or raw <= 0:
             return False
         ratio = actual_ms / raw
-        for table, k in ((self.by_family, (model, family, source)), (self.by_model, (model, source))):
+        for table, k, tag in ((self.by_family, (model, family, source), "cw"),
+                              (self.by_model, (model, source), "cm")):
             ring = table.get(k)
             if ring is None:
                 ring = table[k] = SampleRing(WINDOW)
             ring.record(ratio)
+            self.dirty.add((tag, *k))
         self.observations += 1
         return True

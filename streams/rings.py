@@ -58,9 +58,10 @@ class SampleRing:
 class RingFamily:
     """Rings keyed by (model, chip key). Empty model ids and non-positive samples are ignored."""
 
-    __slots__ = ("rings", "by_model", "versions")
+    __slots__ = ("rings", "by_model", "versions", "dirty")
 
     def __init__(self):
+        self.dirty: set[tuple[str, str]] = set()  # rings changed since the owner last persisted
         self.rings: dict[tuple[str, str], SampleRing] = {}
         self.by_model: dict[str, dict[str, SampleRing]] = {}
         # model -> number of samples stored so far: a change marker for the candidate indexes
@@ -75,8 +76,14 @@ class RingFamily:
             self.by_model.setdefault(model, {})[chip] = ring
         if ring.record(value):
             self.versions[model] = self.versions.get(model, 0) + 1
+            self.dirty.add((model, chip))
             return True
         return False
+
+    def restore(self, model: str, chip: str, samples: list[float]) -> None:
+        ring = self.rings[(model, chip)] = SampleRing(samples=samples)
+        self.by_model.setdefault(model, {})[chip] = ring
+        self.versions[model] = self.versions.get(model, 0) + len(ring)
 
     def version(self, model: str) -> int:
         return self.versions.get(model, 0)

@@ -25,6 +25,7 @@ from .config import DEFAULT, Config, ConfigError
 from .provider import TRUST_RANK, ProviderEventError, ProviderState, Slot
 from .rings import TpsRegistry
 from .serve_counter import ServeCounter
+from .persistence import key as pkey
 from .versions import compare_versions
 
 DEFAULT_MAX_TOKENS = 256
@@ -137,10 +138,16 @@ class Router:
         self.affinity: OrderedDict[tuple, tuple[str, float]] = OrderedDict()
         self.queues: dict[str, deque[Queued]] = {}
         self.reservations: dict[tuple[str, int], str] = {}
-        self.seen_requests: OrderedDict[tuple[str, int], None] = OrderedDict()
-        self.seen_events: OrderedDict[str, None] = OrderedDict()
+        self.seen_requests: OrderedDict[tuple[str, int], int] = OrderedDict()  # -> insertion seq
+        self.seen_events: OrderedDict[str, int] = OrderedDict()
         self.counters: Counter = Counter()
         self.tripwires: Counter = Counter()
+        # Persistence (streams/persistence.py): keys changed since the adapter last saved, and
+        # insertion sequence numbers that let a restored router keep every map's order.
+        self.dirty: set[str] = set()
+        self.seq = 0
+        self.liveness_seq: dict[str, int] = {}
+        self.affinity_seq: dict[tuple, int] = {}
         self.fast = FastPath(self) if fast else None
 
     @property
@@ -157,6 +164,7 @@ class Router:
     def apply(self, offset: int, journal_time_ms: int | None, type_name: str, record: dict) -> list:
         """Apply one journal entry. Never raises on bad input: refusals come back as outputs."""
         self.offset = offset
+        self.dirty.add("meta")
         out: list = []
         if type_name in OUTPUT_TYPES:
             return out
@@ -201,6 +209,7 @@ class Router:
             q = self.queues[model]
             while q and self.now - q[0].enqueued_at_ms > wait:
                 item = q.popleft()
+                self.dirty.add(pkey("q", model))
                 self.counters["queue_timeouts"] += 1
                 out.append(self._reject(item.request, "queue_timeout", 429, retry_after_for_depth(len(q))))
 
@@ -211,10 +220,49 @@ class Router:
         if event_id in self.seen_events:
             self.counters["duplicate_events"] += 1
             return True
-        self.seen_events[event_id] = None
+        self.seen_events[event_id] = self._next_seq()
+        self.dirty.add(pkey("e", event_id))
         if len(self.seen_events) > EVENT_DEDUP_WINDOW:
-            self.seen_events.popitem(last=False)
+            self.dirty.add(pkey("e", self.seen_events.popitem(last=False)[0]))
         return False
+
+    # --- persistence support ------------------------------------------------------------------------
+    def _next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def _refresh_liveness(self, p: ProviderState) -> None:
+        p.last_seen = self.now
+        self.liveness.pop(p.provider_id, None)
+        self.liveness[p.provider_id] = self.now
+        self.liveness_seq[p.provider_id] = self._next_seq()
+        self.dirty.add(pkey("p", p.provider_id))
+
+    def add_restored_provider(self, p: ProviderState, seen_seq: int) -> None:
+        """Restore support: add a provider in liveness order (callers sort by `seen_seq`)."""
+        self.providers[p.provider_id] = p
+        self.liveness[p.provider_id] = p.last_seen
+        self.liveness_seq[p.provider_id] = seen_seq
+        for model in p.models:
+            insort(self.by_model.setdefault(model, []), p.provider_id)
+        for k in p.pending:
+            self.reservations[k] = p.provider_id
+        if self.fast is not None:
+            self.fast.provider_added(p)
+
+    def take_dirty(self) -> set[str]:
+        """The persistence keys changed since the last call (components report their own)."""
+        dirty = self.dirty
+        for family in ("decode", "solo", "prefill"):
+            ring_family = getattr(self.rings, family)
+            dirty.update(pkey("r", family, m, c) for m, c in ring_family.dirty)
+            ring_family.dirty.clear()
+        dirty.update(pkey(*k) for k in self.calibrator.dirty)
+        self.calibrator.dirty.clear()
+        dirty.update(pkey("s", pid) for pid in self.serves.dirty)
+        self.serves.dirty.clear()
+        self.dirty = set()
+        return dirty
 
     # --- providers ----------------------------------------------------------------------------------
     def _on_registered(self, event: dict, out: list) -> None:
@@ -226,7 +274,7 @@ class Router:
             self.counters["provider_new_session"] += 1
             released = self._drop_provider(state.provider_id, out, drain=False)
         self.providers[state.provider_id] = state
-        self.liveness[state.provider_id] = self.now
+        self._refresh_liveness(state)
         for model in state.models:
             insort(self.by_model.setdefault(model, []), state.provider_id)
         if self.fast is not None:
@@ -238,8 +286,10 @@ class Router:
     def _drop_provider(self, pid: str, out: list, drain: bool = True) -> bool:
         p = self.providers.pop(pid, None)
         self.liveness.pop(pid, None)
+        self.liveness_seq.pop(pid, None)
         if p is None:
             return False
+        self.dirty.add(pkey("p", pid))
         for model in p.models:
             ids = self.by_model.get(model)
             if ids:
@@ -264,9 +314,7 @@ class Router:
         metrics = p.parse_metrics(event)
         if self._duplicate_event(event.get("event_id")):
             return
-        p.last_seen = self.now
-        self.liveness.move_to_end(p.provider_id)
-        self.liveness[p.provider_id] = self.now
+        self._refresh_liveness(p)
         seq = event.get("seq") or 0
         if seq > 0:
             if seq <= p.last_seq:  # an old frame only proves the provider is alive
@@ -330,6 +378,7 @@ class Router:
             self.counters["completions_provider_mismatch"] += 1
         p = self.providers.get(pid)
         if p is not None:
+            self.dirty.add(pkey("p", pid))
             gone = p.remove_pending(key)
             if gone is not None and self.fast is not None:
                 self.fast.pending_changed(p, gone.model)
@@ -338,7 +387,7 @@ class Router:
             if self.calibrator.observe(key, float(ttft), self.now):
                 self.counters["calibrator_observations"] += 1
         else:
-            self.calibrator.predictions.pop(key, None)
+            self.calibrator.forget(key)
         self.counters["completions"] += 1
         if p is not None:
             self._drain(p, out)
@@ -348,6 +397,7 @@ class Router:
             for item in q:
                 if item.request.key == key:
                     q.remove(item)
+                    self.dirty.add(pkey("q", item.request.model))
                     return True
         return False
 
@@ -370,9 +420,10 @@ class Router:
         if key in self.seen_requests:
             self.counters["duplicate_requests"] += 1
             return
-        self.seen_requests[key] = None
+        self.seen_requests[key] = self._next_seq()
+        self.dirty.add(pkey("rq", *key))
         if len(self.seen_requests) > REQUEST_DEDUP_WINDOW:
-            self.seen_requests.popitem(last=False)
+            self.dirty.add(pkey("rq", *self.seen_requests.popitem(last=False)[0]))
         req, why = self._stamp(event)
         if req is None:
             self.counters["invalid_requests"] += 1
@@ -673,6 +724,7 @@ class Router:
                                               429, self._retry_after(model), scan=res))
                 else:
                     queue.append(Queued(req, self.now))
+                    self.dirty.add(pkey("q", model))
                     out.append(self._decision(req.request_id, req.attempt, model, "queued", None, 202,
                                               None, scan=res))
             else:
@@ -707,6 +759,7 @@ class Router:
 
     def _reserve(self, req: Request, winner: Candidate) -> None:
         p = winner.p
+        self.dirty.add(pkey("p", p.provider_id))
         p.add_pending(req.key, req.model, req.tokens, self.now)
         p.status = "serving" if p.status == "idle" else p.status
         if self.fast is not None:
@@ -717,11 +770,15 @@ class Router:
             self.calibrator.note_prediction(req.key, req.model, p.family, winner.prefill_source,
                                             winner.raw_ttft, self.now)
         if req.consumer_key and req.affinity_key:
-            key = (req.consumer_key, req.model, req.affinity_key)
-            self.affinity.pop(key, None)
-            self.affinity[key] = (p.provider_id, self.now)
+            pin = (req.consumer_key, req.model, req.affinity_key)
+            self.affinity.pop(pin, None)
+            self.affinity[pin] = (p.provider_id, self.now)
+            self.affinity_seq[pin] = self._next_seq()
+            self.dirty.add(pkey("a", *pin))
             while len(self.affinity) > AFFINITY_MAX:
-                self.affinity.popitem(last=False)
+                old = self.affinity.popitem(last=False)[0]
+                self.affinity_seq.pop(old, None)
+                self.dirty.add(pkey("a", *old))
 
     def _affinity_lookup(self, req: Request) -> str | None:
         if not (req.consumer_key and req.affinity_key) or self.config.affinity_bonus_ms <= 0:
@@ -772,6 +829,7 @@ class Router:
                 if not self._decide(item.request, out, from_queue=True):
                     keep.append(item)
             self.queues[model] = keep
+            self.dirty.add(pkey("q", model))
 
     # === capacity feed (domain §2.10.7) =============================================================
     def capacity(self, model: str) -> dict:

@@ -12,10 +12,11 @@ PRUNE_BELOW = 0.01
 
 
 class ServeCounter:
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "dirty")
 
     def __init__(self):
         self.entries: dict[str, tuple[float, float]] = {}  # provider id -> (count, last_ms)
+        self.dirty: set[str] = set()  # provider ids changed since the owner last persisted
 
     @staticmethod
     def _decayed(count: float, last: float, now: float) -> float:
@@ -28,10 +29,12 @@ class ServeCounter:
         count, last = self.entries.get(provider_id, (0.0, now))
         value = self._decayed(count, last, now) + 1.0
         self.entries[provider_id] = (value, now)
+        self.dirty.add(provider_id)
         if len(self.entries) > PRUNE_ABOVE:
             for pid in [p for p, (c, t) in self.entries.items()
                         if p != provider_id and self._decayed(c, t, now) < PRUNE_BELOW]:
                 del self.entries[pid]
+                self.dirty.add(pid)
         return value
 
     def read(self, provider_id: str, now: float) -> float:

@@ -17,9 +17,10 @@ Environment (adapter settings, not routing settings):
 """
 from __future__ import annotations
 
+import base64
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -32,6 +33,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from . import codec
 from .config import Config
 from .kafka_security import KafkaSecurity
+from .persistence import SEP, export, restore
+from .persistence import key as pkey
 from .router import Router
 
 DOMAIN_KEY = b"default"  # one routing domain: the journal's (and config topic's) constant key
@@ -127,10 +130,9 @@ INPUTS = {
     config_topic.get_topic_name(): ("ConfigChange",),
 }
 
-# Provider sessions as the router last saw them; each value carries the journal offset that last
-# changed it (the applied-offset contract of the architecture, invariant 2).
-provider_table = app.Table("providers", default=None, partitions=1, key_type=str,
-                           options=_rocksdb_options())
+# The routing core's state, key by key (streams/persistence.py), plus the write-ahead "delta" of
+# the last applied entry and an outbox of recent outputs (see CoreStore).
+core_table = app.Table("core", default=None, partitions=1, key_type=str, options=_rocksdb_options())
 
 # --- metrics --------------------------------------------------------------------------------------
 registry = CollectorRegistry()
@@ -138,10 +140,8 @@ EVENTS_INGESTED = Counter("switchyard_events_ingested_total", "Input events appe
                           ["topic", "type"], registry=registry)
 DEAD_LETTERED = Counter("switchyard_events_dead_lettered_total", "Input events refused, by reason",
                         ["topic", "reason"], registry=registry)
-PROVIDERS_ONLINE = Gauge("switchyard_providers_online", "Provider sessions online (provider table)",
-                         registry=registry)
-PROVIDERS_ONLINE.set_function(
-    lambda: sum(1 for v in provider_table.values() if v and v.get("online")))
+PROVIDERS_ONLINE = Gauge("switchyard_providers_online", "Provider sessions online", registry=registry)
+PROVIDERS_ONLINE.set_function(lambda: len(router.providers))
 JOURNAL_APPLIED = Counter("switchyard_journal_entries_applied_total", "Journal entries applied",
                           ["type"], registry=registry)
 
@@ -215,9 +215,6 @@ for _topic_obj, _name in ((providers_topic, "ingest_providers"), (requests_topic
 router = Router()
 worker_config = Config.from_env(os.environ)  # recorded in the journal before it decides anything
 
-# The settings last recorded in the journal, so a restarted worker knows whether to record its own.
-config_table = app.Table("config", default=None, partitions=1, key_type=str, options=_rocksdb_options())
-
 DECISIONS = Counter("switchyard_decisions_total", "Route decisions by outcome and reason",
                     ["outcome", "reason"], registry=registry)
 DECISION_LATENCY = Histogram(
@@ -232,6 +229,11 @@ BAND_SELECTIONS = Counter("switchyard_band_selections_total", "Decisions picked 
                           registry=registry)
 JOURNAL_LAG = Gauge("switchyard_journal_lag_seconds", "Wall time minus the last applied entry's time",
                     registry=registry)
+REPLAYED = Counter("switchyard_journal_entries_replayed_total",
+                   "Entries folded from the journal at start because the tables were behind",
+                   registry=registry)
+RESENT = Counter("switchyard_outputs_resent_total",
+                 "Entries whose outputs were re-sent from the outbox after a restart", registry=registry)
 CORE_ERRORS = Counter("switchyard_core_errors_total", "Journal entries the core failed on (bugs)",
                       ["error"], registry=registry)
 QUEUE_DEPTH = Gauge("switchyard_queue_depth", "Requests waiting per model", ["model"], registry=registry)
@@ -244,26 +246,30 @@ async def send_raw(topic: str, key: bytes, value: bytes) -> None:
 
 class ReplyTopics:
     """Where each request's decisions go: its `reply_to`, remembered until its final decision (a
-    queued request is answered later, while some other entry is being applied). Rebuilt with the
-    core when a worker catches up, so it is a function of the journal too."""
+    queued request is answered later, while some other entry is being applied). Saved with the
+    core's state (keys `reply<SEP><request_id><SEP><attempt>`)."""
 
     LIMIT = 200_000
 
     def __init__(self):
         self.by_request: OrderedDict[tuple[str, int], str] = OrderedDict()
+        self.dirty: set[tuple[str, int]] = set()
 
     def note(self, name: str, record: dict) -> None:
         if name == "RouteRequest" and record.get("reply_to"):
-            self.by_request[(record.get("request_id"), record.get("attempt"))] = record["reply_to"]
+            k = (record.get("request_id"), record.get("attempt"))
+            self.by_request[k] = record["reply_to"]
+            self.dirty.add(k)
             if len(self.by_request) > self.LIMIT:
-                self.by_request.popitem(last=False)
+                self.dirty.add(self.by_request.popitem(last=False)[0])
 
     def topic_for(self, decision: dict) -> str:
-        key = (decision["request_id"], decision["attempt"])
+        k = (decision["request_id"], decision["attempt"])
         if decision["outcome"] == "queued":
-            topic = self.by_request.get(key)
+            topic = self.by_request.get(k)
         else:
-            topic = self.by_request.pop(key, None)
+            topic = self.by_request.pop(k, None)
+            self.dirty.add(k)
         return topic or decisions_topic.get_topic_name()
 
 
@@ -275,38 +281,99 @@ def apply_entry(offset: int, time_ms: int, name: str, record: dict) -> list:
     return router.apply(offset, time_ms, name, record)
 
 
-async def publish(outputs: list, entry_time_ms: int, request: dict | None) -> None:
-    """Send what the core decided: decisions to their reply topic, reservations, telemetry."""
+def encode_outputs(outputs: list) -> list[tuple[str, bytes, bytes]]:
+    """(topic, key, value) of every message an entry's outputs publish."""
+    messages = []
     for kind, record in outputs:
         if kind == "RouteDecision":
-            await send_raw(reply_topics.topic_for(record), record["request_id"].encode(),
-                           codec.encode(kind, record))
-            now = time.time()
+            messages.append((reply_topics.topic_for(record), record["request_id"].encode(),
+                             codec.encode(kind, record)))
+        elif kind == "Reservation":
+            messages.append((reservations_topic.get_topic_name(), record["provider_id"].encode(),
+                             codec.encode(kind, record)))
+    return messages
+
+
+def observe(outputs: list, entry_time_ms: int, request: dict | None) -> None:
+    """Metrics for what the core decided."""
+    now = time.time()
+    for kind, record in outputs:
+        if kind == "RouteDecision":
             DECISIONS.labels(record["outcome"], record["reason"] or "").inc()
             DECISION_LATENCY.labels("journal_append").observe(max(0.0, now - entry_time_ms / 1000))
             if request is not None and request.get("request_id") == record["request_id"]:
                 DECISION_LATENCY.labels("request_sent").observe(max(0.0, now - request["sent_at_ms"] / 1000))
             if record["selected_by"] == "band":
                 BAND_SELECTIONS.inc()
-        elif kind == "Reservation":
-            await send_raw(reservations_topic.get_topic_name(), record["provider_id"].encode(),
-                           codec.encode(kind, record))
         elif kind == "Tripwire":
             TRIPWIRES.labels(record["model"]).inc()
         elif kind == "PrefillShadow":
             PREFILL_SHADOW.labels(record["decision"], record["gate"]).inc()
 
 
-def provider_summary(router: Router, pid: str, offset: int) -> dict:
-    p = router.providers.get(pid)
-    if p is None:
-        return {"online": False, "offset": offset}
-    b = p.backend
-    return {"online": True, "offset": offset, "session": p.session, "version": p.version,
-            "models": sorted(p.models), "last_seq": p.last_seq, "last_seen_ms": p.last_seen,
-            "status": p.status, "pending": len(p.pending),
-            "slots": [{"model": s.model, "state": s.state, "running": s.num_running,
-                       "max_concurrency": s.max_concurrency} for s in b.slots] if b else None}
+class CoreStore:
+    """The core's state in `core_table`, with exactly-once effects under at-least-once delivery.
+
+    After each entry at offset o: first one record `delta` = {o, every changed key's new value,
+    the entry's output messages}, then the changed keys themselves, then `out<SEP>o` (the outputs,
+    kept for the last OUTBOX_KEEP entries with outputs). All go to one changelog partition in this
+    order, so after a crash the store holds a prefix: re-applying `delta` on load completes a
+    half-written entry. Faust commits the input offset only after the producer flushed, so the
+    outputs of entries at or after the committed offset may be lost with the process: on load they
+    are re-sent from the outbox (identical bytes; consumers key by request id). Entries at or below
+    the stored offset are skipped when redelivered (the applied-offset contract, invariant 2)."""
+
+    OUTBOX_KEEP = 20_000
+
+    def __init__(self):
+        self.outbox: deque[int] = deque()
+
+    def load(self) -> tuple[Router, list[tuple[int, list]]]:
+        """The router as stored, and the outbox as (offset, messages) in offset order."""
+        items = dict(core_table.items())
+        delta = items.pop("delta", None)
+        if delta is not None:
+            for k, v in delta["changes"].items():
+                if v is None:
+                    items.pop(k, None)
+                else:
+                    items[k] = v
+            if delta["outputs"]:
+                items[f"out{SEP}{delta['o']}"] = delta["outputs"]
+        outbox = sorted((int(k.split(SEP)[1]), v) for k, v in items.items() if k.startswith("out" + SEP))
+        for k, v in items.items():
+            if k.startswith("reply" + SEP):
+                _, rid, attempt = k.split(SEP)
+                reply_topics.by_request[(rid, int(attempt))] = v
+        restored = restore((k, v) for k, v in items.items()
+                           if not k.startswith(("out" + SEP, "reply" + SEP)))
+        self.outbox = deque(o for o, _ in outbox)
+        return restored, [(o, [(t, base64.b64decode(k), base64.b64decode(v)) for t, k, v in msgs])
+                          for o, msgs in outbox]
+
+    def save(self, offset: int, messages: list[tuple[str, bytes, bytes]]) -> None:
+        changes = export(router, router.take_dirty())
+        for k in reply_topics.dirty:
+            changes[pkey("reply", *k)] = reply_topics.by_request.get(k)
+        reply_topics.dirty.clear()
+        encoded = [(t, base64.b64encode(k).decode(), base64.b64encode(v).decode()) for t, k, v in messages]
+        core_table["delta"] = {"o": offset, "changes": changes, "outputs": encoded}
+        for k, v in changes.items():
+            if v is None:
+                if k in core_table:
+                    del core_table[k]
+            else:
+                core_table[k] = v
+        if encoded:
+            core_table[f"out{SEP}{offset}"] = encoded
+            self.outbox.append(offset)
+            while len(self.outbox) > self.OUTBOX_KEEP:
+                old = f"out{SEP}{self.outbox.popleft()}"
+                if old in core_table:
+                    del core_table[old]
+
+
+store = CoreStore()
 
 
 async def catch_up(router: Router, until: int) -> None:
@@ -331,6 +398,7 @@ async def catch_up(router: Router, until: int) -> None:
                     router.offset = record.offset
                     continue
                 apply_entry(record.offset, record.timestamp, name, value)
+                REPLAYED.inc()
     finally:
         await consumer.stop()
 
@@ -346,7 +414,7 @@ async def record_worker_config() -> None:
     """A worker whose settings differ from the last recorded ones appends a ConfigChange (rules §3):
     a full patch, so the recorded config becomes exactly this worker's."""
     await app.tables.recovery.completed.wait()
-    recorded = config_table.get("current")
+    recorded = core_table.get("meta")
     if recorded is not None and recorded.get("settings") == dict(worker_config.raw):
         return
     patch = {name: "" for name in (recorded or {}).get("settings", {})}
@@ -366,9 +434,20 @@ async def tick() -> None:
 
 @app.agent(journal_topic, name="router")
 async def route(stream) -> None:
+    global router
+    loaded = False
     async for event in stream.events():
         message, value = event.message, event.value
         offset = message.offset
+        if not loaded:  # first entry after (re)start: state from the tables, lost outputs re-sent
+            loaded = True
+            if router.offset < 0:
+                router, outbox = store.load()
+                for o, messages in outbox:
+                    if offset <= o <= router.offset:
+                        for topic, key, data in messages:
+                            await send_raw(topic, key, data)
+                        RESENT.inc()
         if offset <= router.offset:  # redelivered: already applied
             continue
         if offset > router.offset + 1:
@@ -385,16 +464,12 @@ async def route(stream) -> None:
             CORE_ERRORS.labels(type(exc).__name__).inc()
             router.offset = offset
             continue
+        messages = encode_outputs(outputs)
+        for topic, key, data in messages:
+            await send_raw(topic, key, data)
+        store.save(offset, messages)
+        observe(outputs, entry_ms, value.record if value.name == "RouteRequest" else None)
         JOURNAL_APPLIED.labels(value.name).inc()
         JOURNAL_LAG.set(max(0.0, time.time() - entry_ms / 1000))
-        await publish(outputs, entry_ms, value.record if value.name == "RouteRequest" else None)
-        if value.name == "ConfigChange":
-            config_table["current"] = {"settings": dict(router.config.raw), "offset": offset,
-                                       "config_id": router.config.config_id}
         for model in router.queues:
             QUEUE_DEPTH.labels(model).set(len(router.queues[model]))
-        pid = value.record.get("provider_id")
-        if value.name in codec.PROVIDER_TYPES and pid:
-            stored = provider_table.get(pid)
-            if stored is None or stored.get("offset", -1) < offset:
-                provider_table[pid] = provider_summary(router, pid, offset)

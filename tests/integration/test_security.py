@@ -134,7 +134,7 @@ def test_each_principal_writes_only_its_own_input_topics(secure_kafka, user, top
 
 @pytest.mark.parametrize("user", ["provider", "gateway", "operator"])
 def test_clients_cannot_write_the_journal_or_decisions(secure_kafka, user):
-    for topic in ("switchyard.journal", "switchyard.decisions", "switchyard-providers-changelog"):
+    for topic in ("switchyard.journal", "switchyard.decisions", "switchyard-core-changelog"):
         with pytest.raises(TopicAuthorizationFailedError):
             produce(secure_kafka, secure_kafka.client_security(user), topic)
 
@@ -227,8 +227,10 @@ def test_the_controller_port_refuses_clients_without_the_admin_password(secure_k
 # --- the worker with credentials ------------------------------------------------------------------
 def table_rows(kafka: LocalKafka, app_id: str) -> dict:
     rows = {}
-    for rec in read_all(kafka, kafka.client_security(), f"{app_id}-providers-changelog"):
-        rows[json.loads(rec.key)] = json.loads(rec.value) if rec.value else None
+    for rec in read_all(kafka, kafka.client_security(), f"{app_id}-core-changelog"):
+        key = json.loads(rec.key)
+        if key.startswith("p\x1f"):  # provider sessions in the core table
+            rows[key[2:]] = json.loads(rec.value) if rec.value else None
     return rows
 
 
@@ -244,22 +246,22 @@ def test_worker_with_credentials_processes_provider_events_end_to_end(secure_kaf
         produce(kafka, kafka.client_security("provider", "SCRAM-SHA-512"), "switchyard.providers",
                 [(pid.encode(), codec.encode("ProviderRegistered", registration(pid)))])
         rows = wait_for(lambda: (r := table_rows(kafka, app_id)).get(pid) and r, what=f"{pid} in the provider table")
-        assert rows[pid]["online"] and rows[pid]["models"] == ["gpt-oss-20b"]
+        assert list(rows[pid]["models"]) == ["gpt-oss-20b"]
         journal = [codec.decode(r.value)[0] for r in read_all(kafka, kafka.client_security(), "switchyard.journal")
                    if r.value.startswith(b"\x00")]  # other tests put a raw probe value there
         assert "ProviderRegistered" in journal and "ConfigChange" in journal
         assert "Authenticated as worker via SCRAM-SHA-256" in worker.tail(10_000)
         worker.stop()
 
-        # A fresh data dir, same group: the router catches up from the journal with its own
-        # (credentialed) consumer before it applies the next heartbeat of a provider it must know.
+        # A fresh data dir, same group: the router restores its state from the table changelog
+        # (credentialed) before it applies the next heartbeat of a provider it must know.
         worker = Worker(kafka.bootstrap, tmp_path / "worker2", app_id, "", env=env)
         worker.start()
         produce(kafka, kafka.client_security("provider"), "switchyard.providers",
                 [(pid.encode(), codec.encode("Heartbeat", heartbeat(pid, 1)))])
         rows = wait_for(lambda: (r := table_rows(kafka, app_id)).get(pid, {}).get("last_seq") == 1 and r,
                         what=f"{pid} heartbeat applied after catch-up")
-        assert rows[pid]["online"]
+        assert rows[pid]["session"]
         assert "TopicAuthorizationFailed" not in worker.tail(10_000)
     finally:
         worker.stop()
@@ -304,11 +306,12 @@ def test_web_server_listens_on_loopback_and_serves_no_table_contents(kafka_boots
         assert _listening_addresses(worker.web_port) == {"127.0.0.1"}
         produce_events(kafka_bootstrap, prefix + "switchyard.providers",
                        [(pid, "ProviderRegistered", registration(pid))])
-        wait_for(lambda: any(json.loads(r.key) == pid for r in read_topic(kafka_bootstrap, f"{app_id}-providers-changelog")),
+        wait_for(lambda: any(json.loads(r.key) == f"p\x1f{pid}"
+                             for r in read_topic(kafka_bootstrap, f"{app_id}-core-changelog")),
                  what="the provider in the table")
         base = f"http://127.0.0.1:{worker.web_port}"
         assert _get(base + "/metrics")[0] == 200
-        for path in ("/table/", "/table/providers/", f"/table/providers/{pid}/", "/table/config/current/",
+        for path in ("/table/", "/table/core/", f"/table/core/p%1F{pid}/", "/table/core/meta/",
                      "/graph/", "/stats/", "/assignment/", "/performance/"):
             assert _get(base + path)[0] == 404, path
         # What is served (/, /metrics, Faust's /router/ pages: which worker owns which partition)

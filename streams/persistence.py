@@ -1,0 +1,198 @@
+"""The routing core's state as fine-grained key → value pairs, for Faust tables (RocksDB + changelog).
+
+The router marks the keys an entry changed (`Router.dirty`); `export` turns them into JSON-able
+values (None = delete); `restore` rebuilds a Router from every stored pair. One journal entry writes
+a few keys: `meta` (time, offset, config, counters), the providers it touched, the ring windows it
+fed, its dedup id, and — for a decision — the serve counter, calibrator prediction, affinity entry
+and queue of the model. Derived structures (per-model candidate lists, the fast path's columns,
+reservation owners, pools) are rebuilt on restore, not stored.
+
+Order-sensitive maps (liveness, dedup windows, affinity, calibrator predictions) store the sequence
+number of their last insertion, so a restored router evicts and expires in exactly the same order.
+"""
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from typing import Any, Iterable
+
+from .calibration import WINDOW
+from .config import Config
+from .provider import Backend, ModelEntry, Pending, Pool, ProviderState, Slot
+from .rings import SampleRing
+
+SEP = "\x1f"
+SLOT_FIELDS = tuple(Slot.__dataclass_fields__)
+PROVIDER_FIELDS = ("provider_id", "session", "registered_at_ms", "version", "account_id", "trust",
+                   "private_only", "chip_name", "family", "chip_class", "memory_gb", "bandwidth_gbs",
+                   "decode_tps", "prefill_tps", "last_seen", "last_seq", "status", "memory_pressure",
+                   "cpu_usage", "thermal")
+RING_FAMILIES = ("decode", "solo", "prefill")
+
+
+def key(*parts) -> str:
+    return SEP.join(str(p) for p in parts)
+
+
+# --- export ---------------------------------------------------------------------------------------
+def export(router, keys: Iterable[str]) -> dict[str, Any]:
+    return {k: export_key(router, k) for k in keys}
+
+
+def export_key(router, k: str) -> Any:
+    kind, *rest = k.split(SEP)
+    if kind == "meta":
+        return {"now": router.now, "offset": router.offset, "seq": router.seq,
+                "settings": dict(router.config.raw), "counters": dict(router.counters),
+                "tripwires": dict(router.tripwires)}
+    if kind == "p":
+        p = router.providers.get(rest[0])
+        return None if p is None else _provider(p, router.liveness_seq.get(p.provider_id, 0))
+    if kind == "r":
+        family, model, chip = rest
+        ring = getattr(router.rings, family).rings.get((model, chip))
+        return None if ring is None else ring.samples()
+    if kind in ("cw", "cm"):
+        table = router.calibrator.by_family if kind == "cw" else router.calibrator.by_model
+        ring = table.get(tuple(rest))
+        return None if ring is None else ring.samples()
+    if kind == "cp":
+        note = router.calibrator.predictions.get((rest[0], int(rest[1])))
+        return None if note is None else [*note, router.calibrator.seq.get((rest[0], int(rest[1])), 0)]
+    if kind == "s":
+        entry = router.serves.entries.get(rest[0])
+        return None if entry is None else list(entry)
+    if kind == "a":
+        hit = router.affinity.get(tuple(rest))
+        return None if hit is None else [*hit, router.affinity_seq.get(tuple(rest), 0)]
+    if kind == "q":
+        q = router.queues.get(rest[0])
+        return [[_request(item.request), item.enqueued_at_ms] for item in q] if q else None
+    if kind == "e":
+        seq = router.seen_events.get(rest[0])
+        return None if seq is None else seq
+    if kind == "rq":
+        seq = router.seen_requests.get((rest[0], int(rest[1])))
+        return None if seq is None else seq
+    raise KeyError(k)
+
+
+def _provider(p: ProviderState, seen_seq: int) -> dict:
+    out = {f: getattr(p, f) for f in PROVIDER_FIELDS}
+    out["seen_seq"] = seen_seq
+    out["models"] = {m: [e.size_gb, e.min_ram_gb, e.is_vision] for m, e in p.models.items()}
+    out["warm_models"] = list(p.warm_models)
+    out["last_prefill"] = dict(p.last_prefill)
+    out["pending"] = [[k[0], k[1], v.model, v.tokens, v.reserved_at_ms] for k, v in p.pending.items()]
+    b = p.backend
+    out["backend"] = None if b is None else {
+        "total_memory_gb": b.total_memory_gb, "gpu_memory_active_gb": b.gpu_memory_active_gb,
+        "free_for_load_gb": b.free_for_load_gb,
+        "slots": [[getattr(s, f) for f in SLOT_FIELDS] for s in b.slots]}
+    return out
+
+
+def _request(r) -> dict:
+    d = {f: getattr(r, f) for f in r.__dataclass_fields__}
+    d["allowed"], d["excluded"] = sorted(r.allowed), sorted(r.excluded)
+    return d
+
+
+def snapshot(router) -> dict[str, Any]:
+    """Every key of the state (tests compare a restored router's snapshot with the original's)."""
+    return export(router, all_keys(router))
+
+
+def all_keys(router) -> list[str]:
+    keys = ["meta"]
+    keys += [key("p", pid) for pid in router.providers]
+    for family in RING_FAMILIES:
+        keys += [key("r", family, m, c) for (m, c) in getattr(router.rings, family).rings]
+    keys += [key("cw", *k) for k in router.calibrator.by_family]
+    keys += [key("cm", *k) for k in router.calibrator.by_model]
+    keys += [key("cp", *k) for k in router.calibrator.predictions]
+    keys += [key("s", pid) for pid in router.serves.entries]
+    keys += [key("a", *k) for k in router.affinity]
+    keys += [key("q", m) for m, q in router.queues.items() if q]
+    keys += [key("e", e) for e in router.seen_events]
+    keys += [key("rq", *k) for k in router.seen_requests]
+    return keys
+
+
+# --- restore --------------------------------------------------------------------------------------
+def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
+    from .router import Queued, Request, Router  # the router imports this module
+
+    stored = {k: v for k, v in items if v is not None}
+    meta = stored.get("meta")
+    router = Router(Config(meta["settings"]) if meta else Config(), fast=fast)
+    if meta is None:
+        return router
+    router.now, router.offset, router.seq = meta["now"], meta["offset"], meta["seq"]
+    router.counters, router.tripwires = Counter(meta["counters"]), Counter(meta["tripwires"])
+    providers, events, requests, affinity, predictions = [], [], [], [], []
+    for k, v in stored.items():
+        kind, *rest = k.split(SEP)
+        if kind == "p":
+            providers.append((v["seen_seq"], _restore_provider(v)))
+        elif kind == "r":
+            family, model, chip = rest
+            getattr(router.rings, family).restore(model, chip, v)
+        elif kind in ("cw", "cm"):
+            table = router.calibrator.by_family if kind == "cw" else router.calibrator.by_model
+            table[tuple(rest)] = SampleRing(WINDOW, samples=v)
+        elif kind == "cp":
+            predictions.append((v[-1], (rest[0], int(rest[1])), tuple(v[:-1])))
+        elif kind == "s":
+            router.serves.entries[rest[0]] = tuple(v)
+        elif kind == "a":
+            affinity.append((v[2], tuple(rest), (v[0], v[1])))
+        elif kind == "q":
+            router.queues[rest[0]] = deque(Queued(Request(**_request_fields(r)), t) for r, t in v)
+        elif kind == "e":
+            events.append((v, rest[0]))
+        elif kind == "rq":
+            requests.append((v, (rest[0], int(rest[1]))))
+    for seq, p in sorted(providers, key=lambda sp: sp[0]):
+        router.add_restored_provider(p, seq)
+    for seq, k, note in sorted(predictions):
+        router.calibrator.predictions[k] = note
+        router.calibrator.seq[k] = seq
+    router.calibrator._next = max((s for s, _, _ in predictions), default=-1) + 1
+    router.calibrator.observations = meta["counters"].get("calibrator_observations", 0)
+    for seq, k, hit in sorted(affinity):
+        router.affinity[k] = hit
+        router.affinity_seq[k] = seq
+    router.seen_events = OrderedDict((e, seq) for seq, e in sorted(events))
+    router.seen_requests = OrderedDict((k, seq) for seq, k in sorted(requests))
+    router.dirty.clear()
+    return router
+
+
+def _request_fields(d: dict) -> dict:
+    d = dict(d)
+    d["allowed"], d["excluded"] = frozenset(d["allowed"]), frozenset(d["excluded"])
+    return d
+
+
+def _restore_provider(v: dict) -> ProviderState:
+    p = ProviderState.__new__(ProviderState)
+    for f in PROVIDER_FIELDS:
+        setattr(p, f, v[f])
+    p.models = {m: ModelEntry(*e) for m, e in v["models"].items()}
+    p.warm_models = tuple(v["warm_models"])
+    p.last_prefill = dict(v["last_prefill"])
+    p.pending, p.pending_by_model, p.pending_tokens_by_model, p.pending_tokens_all = {}, {}, {}, 0
+    for rid, attempt, model, tokens, at in v["pending"]:
+        p.add_pending((rid, attempt), model, tokens, at)
+    b = v["backend"]
+    if b is None:
+        p.backend = None
+    else:
+        slots = [Slot(*s) for s in b["slots"]]
+        by_model: dict = {}
+        for s in slots:
+            by_model.setdefault(s.model, s)
+        p.backend = Backend(total_memory_gb=b["total_memory_gb"], gpu_memory_active_gb=b["gpu_memory_active_gb"],
+                            free_for_load_gb=b["free_for_load_gb"], slots=slots, by_model=by_model,
+                            pool=Pool.from_slots(slots), any_budget=any(s.budget_max > 0 for s in slots))
+    return p

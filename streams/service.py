@@ -432,6 +432,22 @@ async def tick() -> None:
     await append_to_journal("Tick", {"at_ms": wall_ms()})
 
 
+last_capacity: dict[str, dict] = {}
+
+
+@app.timer(interval=1.0)
+async def publish_capacity() -> None:
+    """The per-model capacity feed (domain §2.10.7): at most once a second per model, when it changed."""
+    if router.offset < 0:
+        return
+    for model in router.models():
+        feed = router.capacity(model)
+        same = {k: v for k, v in feed.items() if k not in ("at_ms", "journal_offset")}
+        if last_capacity.get(model) != same:
+            last_capacity[model] = same
+            await send_raw(capacity_topic.get_topic_name(), model.encode(), codec.encode("ModelCapacity", feed))
+
+
 @app.agent(journal_topic, name="router")
 async def route(stream) -> None:
     global router

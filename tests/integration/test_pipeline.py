@@ -139,3 +139,20 @@ def test_a_standby_worker_takes_over_when_the_active_one_dies(pipeline, tmp_path
             {(d["request_id"], d["outcome"], d["provider_id"]) for d in got})  # re-sent ones are identical
     finally:
         standby.stop()
+
+
+def test_the_capacity_feed_is_published_per_model_when_it_changes(pipeline):
+    bootstrap, prefix, worker = pipeline
+    produce_events(bootstrap, prefix + "switchyard.providers", fleet(3))
+    latest = wait_for(lambda: (f := [codec.decode(r.value)[1] for r in
+                                     read_topic(bootstrap, prefix + "switchyard.capacity")])
+                      and f[-1]["routable_providers"] == 3 and f, what="3 routable providers")[-1]
+    assert latest["model"] == "gpt-oss-20b" and latest["remaining_concurrency"] > 0
+    assert latest["estimated_ttft_ms"] > 0
+    produce_events(bootstrap, prefix + "switchyard.requests", [(f"c{i}", "RouteRequest", request(f"c{i}"))
+                                                               for i in range(4)])
+    after = wait_for(lambda: (f := [codec.decode(r.value)[1] for r in
+                                    read_topic(bootstrap, prefix + "switchyard.capacity")])
+                     and f[-1]["remaining_concurrency"] < latest["remaining_concurrency"] and f,
+                     what="the feed to shrink after reservations")
+    assert all(f["model"] == "gpt-oss-20b" for f in after)

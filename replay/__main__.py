@@ -5,6 +5,7 @@
   python -m replay audit   --journal FILE.jsonl              (recorded decisions are lines of the file)
   python -m replay audit   --bootstrap HOST:PORT --decisions-topic switchyard.decisions
   python -m replay explain REQUEST_ID --journal FILE.jsonl [--json]
+  python -m replay what-if --journal FILE.jsonl --set EIGENINFERENCE_SATISFICING_BAND=true --report out/w.md
 
 A journal comes from a JSON Lines file (--journal) or from Kafka (--bootstrap, --topic, --partition).
 Replays start from the default settings and apply the journal's ConfigChange entries (rules §3).
@@ -118,6 +119,34 @@ def cmd_explain(args) -> int:
     return 0
 
 
+def cmd_whatif(args) -> int:
+    from tqdm import tqdm
+
+    from .report import compare_runs, write_report
+    from .whatif import what_if
+    entries, _, _ = _source(args)
+    settings = {}
+    for item in args.set or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            sys.exit(f"--set wants NAME=VALUE, got {item!r}")
+        name = name if name.startswith("EIGENINFERENCE_") else "EIGENINFERENCE_" + name
+        settings[name] = value
+    with tqdm(total=2 * len(entries), unit="entry", desc="what-if", disable=args.quiet) as bar:
+        result = what_if(entries, settings, progress=bar)
+    comparison = compare_runs(result.recorded.decisions, result.whatif.decisions, result.providers)
+    path = write_report(args.report, comparison, title="What-if report", settings=settings,
+                        method=result.method, journal=args.journal or f"{args.bootstrap}/{args.topic}",
+                        entries=result.entries)
+    for model, runs in comparison.items():
+        rec, wi = runs["recorded"], runs["whatif"]
+        print(f"{model}: outcomes {rec['outcomes']} -> {wi['outcomes']}; top-10% share "
+              f"{rec['top10_share']:.1%} -> {wi['top10_share']:.1%}; idle providers "
+              f"{rec['idle_share']:.1%} -> {wi['idle_share']:.1%}")
+    print(f"report: {path}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m replay", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,6 +181,14 @@ def main(argv=None) -> int:
     _add_source_args(p)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_explain)
+
+    p = sub.add_parser("what-if", help="re-run the journal under changed settings and report the difference")
+    _add_source_args(p)
+    p.add_argument("--set", action="append", metavar="NAME=VALUE",
+                   help="a setting to change (EIGENINFERENCE_ prefix optional); repeatable")
+    p.add_argument("--report", default="out/whatif.md", help="Markdown report path (PNG plots beside it)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_whatif)
 
     args = ap.parse_args(argv)
     return args.func(args)

@@ -1,0 +1,225 @@
+"""Bare aiokafka baselines for `benchmarks.pipeline_latency`, each run as a child process.
+
+    python -m benchmarks.echo_baselines echo     --bootstrap B --requests T --replies R
+    python -m benchmarks.echo_baselines pipeline --bootstrap B --requests T --journal J --replies R [--no-avro]
+
+* ``echo`` — one hop: consume the request topic, produce each value unchanged to the reply topic
+  with the same key. No decoding: the cheapest request/reply a Kafka service can give.
+* ``pipeline`` — the same hops as a Switchyard worker and no logic: stage 1 consumes the request
+  topic and appends each value to a journal topic (like `ingest`), stage 2 consumes the journal
+  and produces a reply keyed like the request (like the `router` agent). By default both stages
+  do what the worker's adapter does with Avro and nothing more: stage 1 decodes the request
+  (validation) and appends the original bytes, stage 2 decodes the journal entry and encodes the
+  reply (the request record re-encoded, to the reply topic). ``--no-avro`` copies bytes only.
+
+Both run in one process on one asyncio loop with one shared producer, as a Faust worker does,
+but with one consumer per stage (each long-polls only its own partition; ``--shared-consumer``:
+one consumer assigned both partitions, as a Faust worker has), no consumer group, no offset
+commits, acks=all and linger 0 (the worker's producer settings). Each consumer starts at
+the beginning of its (fresh, single-partition) topic. The child prints ``READY`` once its
+consumers are positioned, and a JSON line of counters when it gets SIGTERM.
+
+`Child` is the parent's side: start a ``python -m ...`` child, wait for ``READY``, stop it.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+PRODUCER_SETTINGS = {"acks": "all", "linger_ms": 0}
+CONSUMER_SETTINGS = {"group_id": None, "enable_auto_commit": False, "fetch_max_wait_ms": 100,
+                     "auto_offset_reset": "earliest"}
+
+
+# === the child's side ================================================================================
+async def _consumer_at_start(bootstrap: str, topic: str):
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id=f"bench-{topic}", **CONSUMER_SETTINGS)
+    await consumer.start()
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    await consumer.seek_to_beginning(tp)
+    await consumer.position(tp)
+    return consumer
+
+
+async def _stage(consumer, handle, stats: dict, name: str) -> None:
+    while True:
+        batches = await consumer.getmany(timeout_ms=500, max_records=1000)
+        for records in batches.values():
+            for record in records:
+                await handle(record)
+            stats[name] += len(records)
+
+
+async def serve(args) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    from streams import codec
+
+    producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap, client_id="bench-baseline", **PRODUCER_SETTINGS)
+    await producer.start()
+    stats = {"mode": args.mode, "avro": not args.no_avro, "stage1": 0, "stage2": 0, "records": 0}
+    consumers, tasks = [], []
+    try:
+        if args.mode == "echo":
+            async def echo(record):
+                await producer.send(args.replies, value=record.value, key=record.key)
+
+            consumers.append(await _consumer_at_start(args.bootstrap, args.requests))
+            tasks.append(_stage(consumers[0], echo, stats, "stage1"))
+        else:
+            avro = not args.no_avro
+
+            async def ingest(record):
+                if avro:
+                    codec.decode(record.value)  # validation only; the original bytes are appended
+                await producer.send(args.journal, value=record.value, key=record.key, partition=0)
+
+            async def reply(record):
+                value = record.value
+                if avro:
+                    name, rec = codec.decode(value)
+                    value = codec.encode(name, rec)
+                await producer.send(args.replies, value=value, key=record.key)
+
+            if args.shared_consumer:  # one consumer for both stages, as a Faust worker has
+                from aiokafka import AIOKafkaConsumer, TopicPartition
+
+                consumer = AIOKafkaConsumer(bootstrap_servers=args.bootstrap, client_id="bench-shared",
+                                            **CONSUMER_SETTINGS)
+                await consumer.start()
+                consumers.append(consumer)
+                tps = [TopicPartition(args.requests, 0), TopicPartition(args.journal, 0)]
+                consumer.assign(tps)
+                await consumer.seek_to_beginning(*tps)
+                for tp in tps:
+                    await consumer.position(tp)
+
+                async def either(record):
+                    if record.topic == args.requests:
+                        stats["stage1"] += 1
+                        await ingest(record)
+                    else:
+                        stats["stage2"] += 1
+                        await reply(record)
+
+                tasks.append(_stage(consumer, either, stats, "records"))
+            else:
+                consumers.append(await _consumer_at_start(args.bootstrap, args.requests))
+                consumers.append(await _consumer_at_start(args.bootstrap, args.journal))
+                tasks.append(_stage(consumers[0], ingest, stats, "stage1"))
+                tasks.append(_stage(consumers[1], reply, stats, "stage2"))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+        loop.add_signal_handler(signal.SIGINT, stop.set)
+        running = [asyncio.create_task(t) for t in tasks]
+        print("READY", flush=True)
+        stopper = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait([stopper, *running], return_when=asyncio.FIRST_COMPLETED)
+        for t in running:
+            t.cancel()
+        for t in done:
+            if t is not stopper and t.exception() is not None:
+                raise t.exception()
+    finally:
+        for c in consumers:
+            await c.stop()
+        await producer.stop()
+        print(json.dumps(stats), flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.echo_baselines", description=__doc__.split("\n")[0])
+    ap.add_argument("mode", choices=("echo", "pipeline"))
+    ap.add_argument("--bootstrap", required=True)
+    ap.add_argument("--requests", required=True, help="request topic (consumed)")
+    ap.add_argument("--replies", required=True, help="reply topic (produced)")
+    ap.add_argument("--journal", help="pipeline: the intermediate topic")
+    ap.add_argument("--no-avro", action="store_true", help="pipeline: copy bytes, no Avro decode/encode")
+    ap.add_argument("--shared-consumer", action="store_true",
+                    help="pipeline: one consumer for both stages (default: one per stage)")
+    args = ap.parse_args(argv)
+    if args.mode == "pipeline" and not args.journal:
+        ap.error("pipeline needs --journal")
+    asyncio.run(serve(args))
+    return 0
+
+
+# === the parent's side ===============================================================================
+class Child:
+    """A ``python -m <module> <args>`` child in its own process group. ``start()`` waits until it
+    prints ``READY``; ``stop()`` sends SIGTERM (SIGKILL after a timeout) and returns the JSON
+    object of its last output line, if any. stderr goes to ``log``."""
+
+    def __init__(self, module: str, args: list[str], log: Path, env: dict | None = None):
+        self.cmd = [sys.executable, "-m", module, *args]
+        self.log = Path(log)
+        self.env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+        self.proc: subprocess.Popen | None = None
+        self._out: list[str] = []
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self, timeout: float = 60.0) -> "Child":
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as err:
+            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, env=self.env, stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=err, text=True,
+                                         start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline()
+                if line.strip() == "READY":
+                    return self
+                if line:
+                    self._out.append(line)
+                    continue
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(self.cmd[2:4])} exited {self.proc.returncode}; see {self.log}")
+        self.stop()
+        raise TimeoutError(f"{' '.join(self.cmd[2:4])} not ready in {timeout:.0f}s; see {self.log}")
+
+    def stop(self, timeout: float = 20.0) -> dict | None:
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        for line in reversed((out or "").splitlines()):
+            if line.startswith("{"):
+                try:
+                    return json.loads(line)
+                except ValueError:
+                    break
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

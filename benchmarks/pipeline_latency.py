@@ -1,0 +1,851 @@
+"""Request → decision latency of a Switchyard worker under a heartbeating fleet, next to two bare
+aiokafka baselines measured in the same run (docs/benchmarks.md).
+
+    .venv/bin/python -m benchmarks.pipeline_latency [--rates 200,1000] [--seconds 15] [--providers 1260]
+
+Three systems, one open-loop load driver (this process, asyncio + aiokafka):
+
+* ``echo`` — one hop: a child consumes the request topic and produces each value to the reply
+  topic (`benchmarks.echo_baselines echo`);
+* ``pipeline`` — the worker's hops and no logic: requests → journal → replies, plain aiokafka, Avro
+  decode on both stages and encode of the reply (`benchmarks.echo_baselines pipeline`);
+* ``switchyard`` — a real worker child process (`streams.worker_process.Worker`, fresh topic prefix
+  and app id) with ``--providers`` providers registered (benchmarks/fleet.py shapes: ``--models``
+  models, ``--per-box`` per provider) that heartbeat every ``--heartbeat-s`` seconds from a
+  separate child process (``fleet`` role below) during the switchyard phases — 252 heartbeats/s
+  for 1,260 providers every 5 s; the same child sends a Completion ``--hold-ms`` after each routed
+  decision, so capacity is released as a real gateway would.
+
+For each rate, the systems run one after the other (echo, pipeline, switchyard; the fleet child
+heartbeats only during the switchyard phase): ``--warmup`` seconds of load that are not counted,
+then ``--seconds`` measured. Each request is a RouteRequest (streams.codec, a random model of the
+fleet, key = request_id, reply_to = the benchmark's reply topic); the driver timestamps each send
+(perf_counter just before `producer.send`) and its reply consumer the receipt (once per fetched
+batch, before decoding); latency = receipt − send, in the driver. Lost = measured requests without
+a reply ``--drain`` seconds after the last send. Achieved = measured sends / their time span.
+
+Where the time goes: per request, the Kafka timestamps of its journal entry (pipeline, switchyard)
+and of its reply (producer create times, whole milliseconds) split the latency into
+send → journal append, journal append → reply sent, reply sent → receipt (means and p50s; ±1 ms).
+
+Starts its own LocalKafka unless KAFKA_BOOTSTRAP_SERVERS is set. Writes out/bench/pipeline_latency.json
+(``--out``). ``--py-spy DIR`` records the worker with py-spy (raw collapsed stacks, one file per
+rate) during the switchyard phases: a profiling run, its latencies are not representative.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import platform
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter, deque
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.echo_baselines import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Child  # noqa: E402
+from benchmarks.fleet import fleet_events, heartbeat, model_names, request  # noqa: E402
+from streams import codec  # noqa: E402
+
+SYSTEMS = ("echo", "pipeline", "pipeline_shared", "switchyard")  # pipeline_shared: optional
+DEFAULT_SYSTEMS = ("echo", "pipeline", "switchyard")
+WORKER_OUTPUT_TOPICS = ("switchyard.decisions", "switchyard.reservations", "switchyard.capacity",
+                        "switchyard.deadletter")
+GOAL_P50_VS_PIPELINE = 1.5
+GOAL_P50_VS_ECHO = 3.0
+GOAL_P99_MS = 25.0
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of a non-empty list; None when empty."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
+    return s[k]
+
+
+def mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def r3(v):
+    return None if v is None else round(v, 3)
+
+
+# === CPU accounting (Linux /proc) ====================================================================
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_cpu_split(pid: int | None) -> tuple[float, float] | None:
+    """(user, system) CPU seconds, all threads, a process has used so far."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        return int(fields[11]) / _TICK, int(fields[12]) / _TICK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def proc_cpu(pid: int | None) -> float | None:
+    """CPU seconds (user + system, all threads) a process has used so far."""
+    split = proc_cpu_split(pid)
+    return None if split is None else split[0] + split[1]
+
+
+def machine_cpu() -> tuple[float, float] | None:
+    """(busy, total) CPU seconds of the whole machine so far, all cores."""
+    try:
+        v = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return (sum(v[:8]) - idle) / _TICK, sum(v[:8]) / _TICK
+
+
+class CpuMeter:
+    """CPU used by named processes (and the whole machine) between start() and stop()."""
+
+    def __init__(self, pids: dict[str, int | None]):
+        self.pids = {k: v for k, v in pids.items() if v is not None}
+
+    def start(self) -> "CpuMeter":
+        self.t0 = time.monotonic()
+        self.c0 = {k: proc_cpu_split(p) for k, p in self.pids.items()}
+        self.self0 = time.process_time()
+        self.m0 = machine_cpu()
+        return self
+
+    def stop(self) -> dict:
+        wall = time.monotonic() - self.t0
+        out = {"wall_s": round(wall, 2), "cores": os.cpu_count()}
+        for k, p in self.pids.items():
+            c1, c0 = proc_cpu_split(p), self.c0.get(k)
+            if c1 is not None and c0 is not None:
+                out[k + "_cpu_s"] = round(c1[0] + c1[1] - c0[0] - c0[1], 2)
+                out[k + "_sys_cpu_s"] = round(c1[1] - c0[1], 2)
+        out["driver_cpu_s"] = round(time.process_time() - self.self0, 2)
+        m1 = machine_cpu()
+        if m1 and self.m0:
+            busy, total = m1[0] - self.m0[0], m1[1] - self.m0[1]
+            out["machine_busy_cores"] = round(busy / wall, 2)
+            ours = sum(v for k, v in out.items() if k.endswith("_cpu_s") and not k.endswith("_sys_cpu_s"))
+            out["others_busy_cores"] = round(max(0.0, busy - ours) / wall, 2)
+        return out
+
+
+# === py-spy profiles ===================================================================================
+PROFILE_CATEGORIES = (  # (category, substrings of a frame's file), matched from the leaf frame up
+    ("avro (streams.codec, fastavro)", ("streams/codec.py", "fastavro/")),
+    ("core (streams.router & co)", tuple(f"streams/{m}.py" for m in (
+        "router", "candidates", "provider", "rings", "admission", "estimates", "calibration",
+        "serve_counter", "config", "versions"))),
+    ("tables (faust stores, rocksdict)", ("faust/stores/", "faust/tables/", "rocksdict")),
+    ("metrics (prometheus_client, /metrics)", ("prometheus_client/", "aiohttp/")),
+    ("kafka client (aiokafka)", ("aiokafka/",)),
+    ("faust/mode streams, agents, consumer", ("faust/", "mode/")),
+    ("adapter (streams.service)", ("streams/service.py",)),
+)
+
+
+def profile_summary(path: str | Path) -> dict:
+    """Share of py-spy samples (raw collapsed format) by category: each sample goes to the first
+    category whose files appear walking from the leaf frame towards the event loop's frames (what
+    started the loop does not count); samples with no such frame count as "event loop, other"."""
+    counts: Counter = Counter()
+    total = 0
+    for line in Path(path).read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        try:
+            n = int(n)
+        except ValueError:
+            continue
+        total += n
+        cat = "event loop, other"
+        for frame in reversed(stack.split(";")):
+            if frame.startswith(("BaseEventLoop._run_once ", "Handle._run ")):
+                break  # the loop itself; the frames above it are the launcher (faust CLI, mode)
+            hit = next((c for c, files in PROFILE_CATEGORIES if any(f in frame for f in files)), None)
+            if hit:
+                cat = hit
+                break
+        counts[cat] += n
+    return {"samples": total, "shares": {k: round(v / total, 3) for k, v in counts.most_common()} if total else {}}
+
+
+# === the fleet child: heartbeats and completions ===================================================
+async def fleet_main(args) -> None:
+    """Heartbeat every provider every `interval` s, evenly spread; send a Completion `hold_ms` after
+    each routed decision on the reply topic. SIGUSR1 pauses the heartbeats, SIGUSR2 resumes them."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+    names = model_names(args.models)
+    fleet = [(f"p{i:05d}", i, [names[(i + j) % args.models] for j in range(args.per_box)])
+             for i in range(args.providers)]
+    providers_topic = args.prefix + "switchyard.providers"
+    completions_topic = args.prefix + "switchyard.completions"
+    producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap, client_id="bench-fleet", **PRODUCER_SETTINGS)
+    consumer = AIOKafkaConsumer(bootstrap_servers=args.bootstrap, client_id="bench-fleet-replies",
+                                **CONSUMER_SETTINGS)
+    await producer.start()
+    await consumer.start()
+    tp = TopicPartition(args.replies, 0)
+    consumer.assign([tp])
+    await consumer.seek_to_end(tp)
+    await consumer.position(tp)
+    stats = Counter()
+    active = asyncio.Event()
+    if not args.paused:
+        active.set()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, active.clear)
+    loop.add_signal_handler(signal.SIGUSR2, active.set)
+
+    async def heartbeats() -> None:
+        period = args.interval / len(fleet)
+        k = 0
+        while True:
+            await active.wait()
+            t0, k0 = time.perf_counter(), k
+            while active.is_set():
+                due = k0 + int((time.perf_counter() - t0) / period) + 1
+                while k < due:
+                    pid, i, mine = fleet[k % len(fleet)]
+                    cycle = k // len(fleet)
+                    # seq from the wall clock: increasing across pauses and child restarts
+                    hb = heartbeat(pid, i, mine, wall_ms(), wall_ms(), shift=cycle + 1)
+                    hb["event_id"] = uuid.uuid4().hex
+                    await producer.send(providers_topic, value=codec.encode("Heartbeat", hb), key=pid.encode())
+                    stats["heartbeats"] += 1
+                    k += 1
+                await asyncio.sleep(max(0.0, t0 + (k - k0) * period - time.perf_counter()))
+
+    pending: deque = deque()  # (due perf time, completion record), in due order (constant hold)
+
+    async def decisions() -> None:
+        while True:
+            batches = await consumer.getmany(timeout_ms=200, max_records=2000)
+            due = time.perf_counter() + args.hold_ms / 1000
+            for records in batches.values():
+                for r in records:
+                    try:
+                        _, d = codec.decode_as(r.value, "RouteDecision")
+                    except codec.CodecError:
+                        continue
+                    stats["decision_" + d["outcome"]] += 1
+                    if d["outcome"] == "routed":
+                        pending.append((due, {
+                            "event_id": uuid.uuid4().hex, "request_id": d["request_id"],
+                            "attempt": d["attempt"], "provider_id": d["provider_id"], "model": d["model"],
+                            "status": "ok", "prompt_tokens": 1200, "completion_tokens": 64, "ttft_ms": 0.0,
+                            "completed_at_ms": 0}))
+
+    async def completions() -> None:
+        while True:
+            now = time.perf_counter()
+            while pending and pending[0][0] <= now:
+                _, c = pending.popleft()
+                c["completed_at_ms"] = wall_ms()
+                await producer.send(completions_topic, value=codec.encode("Completion", c),
+                                    key=c["provider_id"].encode())
+                stats["completions"] += 1
+            await asyncio.sleep(0.005)
+
+    tasks = [asyncio.create_task(t()) for t in (heartbeats, decisions, completions)]
+    print("READY", flush=True)
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if t is not stopper and t.exception() is not None:
+                raise t.exception()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await consumer.stop()
+        await producer.stop()
+        print(json.dumps(dict(stats)), flush=True)
+
+
+# === the driver ====================================================================================
+async def drive(bootstrap: str, system: str, requests_topic: str, reply_topic: str, rate: float,
+                warmup: float, seconds: float, models: list[str], seed: int, drain: float) -> dict:
+    """One open-loop phase: `rate` requests/s for warmup + seconds; returns the measured figures and
+    per-request arrays (for the journal breakdown)."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+    rng = random.Random(seed)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, client_id="bench-driver", **PRODUCER_SETTINGS)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id="bench-driver-replies",
+                                **CONSUMER_SETTINGS)
+    await producer.start()
+    await consumer.start()
+    tp = TopicPartition(reply_topic, 0)
+    consumer.assign([tp])
+    await consumer.seek_to_end(tp)
+    await consumer.position(tp)
+
+    n_warm = int(round(rate * warmup))
+    n_total = n_warm + int(round(rate * seconds))
+    tag = f"{system}-{int(rate)}-{uuid.uuid4().hex[:6]}"
+    rids = [f"{tag}-{i}" for i in range(n_total)]
+    index = {rid.encode(): i for i, rid in enumerate(rids)}
+    send_perf = [0.0] * n_total
+    send_wall = [0.0] * n_total
+    lag = [0.0] * n_total
+    recv_perf: list = [None] * n_total
+    recv_wall: list = [None] * n_total
+    reply_ts: list = [None] * n_total
+    outcome: list = [None] * n_total
+    counts = Counter()
+    state = {"received": 0, "sent_all": False}
+    all_in = asyncio.Event()
+
+    async def receive() -> None:
+        while True:
+            batches = await consumer.getmany(timeout_ms=100, max_records=5000)
+            t, tw = time.perf_counter(), time.time()
+            for records in batches.values():
+                for r in records:
+                    i = index.pop(r.key, None)
+                    if i is None:  # a queue follow-up (second decision) or a stranger
+                        counts["extra_replies"] += 1
+                        continue
+                    recv_perf[i], recv_wall[i], reply_ts[i] = t, tw, r.timestamp
+                    try:
+                        name, rec = codec.decode(r.value)
+                        outcome[i] = rec.get("outcome") if name == "RouteDecision" else name
+                    except codec.CodecError as e:
+                        outcome[i] = "undecodable:" + e.reason
+                    state["received"] += 1
+            if state["received"] == n_total:
+                all_in.set()
+
+    receiver = asyncio.create_task(receive())
+    gc.collect()
+    period = 1.0 / rate
+    t0 = time.perf_counter() + 0.05
+    i = 0
+    try:
+        while i < n_total:
+            now = time.perf_counter()
+            due = min(n_total, int((now - t0) / period) + 1) if now >= t0 else 0
+            while i < due:
+                model = models[rng.randrange(len(models))]
+                req = request(rids[i], model, wall_ms())
+                req["max_tokens"] = 256
+                req["reply_to"] = reply_topic
+                value = codec.encode("RouteRequest", req)
+                send_wall[i] = time.time()
+                send_perf[i] = ts = time.perf_counter()
+                lag[i] = ts - (t0 + i * period)
+                await producer.send(requests_topic, value=value, key=rids[i].encode())
+                i += 1
+            await asyncio.sleep(max(0.0, t0 + i * period - time.perf_counter()))
+        await producer.flush()
+        try:
+            await asyncio.wait_for(all_in.wait(), drain)
+        except asyncio.TimeoutError:
+            pass
+    finally:
+        receiver.cancel()
+        try:
+            await receiver
+        except (asyncio.CancelledError, Exception):  # noqa: BLE001
+            pass
+        await consumer.stop()
+        await producer.stop()
+
+    measured = range(n_warm, n_total)
+    lat = [(recv_perf[j] - send_perf[j]) * 1000 for j in measured if recv_perf[j] is not None]
+    span = send_perf[n_total - 1] - send_perf[n_warm] if n_total - n_warm > 1 else 0.0
+    out_counts = Counter(outcome[j] for j in measured if outcome[j] is not None)
+    result = {
+        "system": system, "rate": rate, "requests": len(measured), "replies": len(lat),
+        "lost": len(measured) - len(lat), "achieved_rate": round((len(measured) - 1) / span, 1) if span else None,
+        "p50_ms": r3(pct(lat, 50)), "p90_ms": r3(pct(lat, 90)), "p99_ms": r3(pct(lat, 99)),
+        "max_ms": r3(max(lat) if lat else None), "mean_ms": r3(mean(lat)),
+        "send_lag_p99_ms": r3(pct([lag[j] * 1000 for j in measured], 99)),
+        "send_lag_max_ms": r3(max(lag[j] * 1000 for j in measured)),
+        "outcomes": dict(out_counts), "extra_replies": counts["extra_replies"],
+        "timeline_p50_ms": timeline(send_perf, recv_perf, n_warm, n_total),
+    }
+    arrays = {"rids": rids, "n_warm": n_warm, "send_wall": send_wall, "recv_wall": recv_wall,
+              "reply_ts": reply_ts}
+    return result, arrays
+
+
+def timeline(send_perf: list, recv_perf: list, n_warm: int, n_total: int) -> list:
+    """p50 latency (ms) of the requests sent in each second of the measurement (None: no reply)."""
+    if n_total <= n_warm:
+        return []
+    t0 = send_perf[n_warm]
+    buckets: dict[int, list] = {}
+    for j in range(n_warm, n_total):
+        b = buckets.setdefault(int(send_perf[j] - t0), [])
+        if recv_perf[j] is not None:
+            b.append((recv_perf[j] - send_perf[j]) * 1000)
+    return [round(pct(buckets[k], 50), 1) if buckets[k] else None for k in sorted(buckets)]
+
+
+async def journal_times(bootstrap: str, topic: str, start: int, wanted: set[str]) -> dict[str, int]:
+    """request_id -> Kafka timestamp (ms) of its RouteRequest entry in `topic`, from `start` on."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id="bench-journal-reader",
+                                **dict(CONSUMER_SETTINGS, fetch_max_wait_ms=50))
+    await consumer.start()
+    out: dict[str, int] = {}
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        end = (await consumer.end_offsets([tp]))[tp]
+        consumer.seek(tp, start)
+        while await consumer.position(tp) < end:
+            batch = await consumer.getmany(tp, timeout_ms=1000, max_records=10000)
+            for r in batch.get(tp, []):
+                try:
+                    if codec.peek_type(r.value) != "RouteRequest":
+                        continue
+                    _, rec = codec.decode(r.value)
+                except codec.CodecError:
+                    continue
+                if rec["request_id"] in wanted:
+                    out.setdefault(rec["request_id"], r.timestamp)
+    finally:
+        await consumer.stop()
+    return out
+
+
+async def end_offset(bootstrap: str, topic: str) -> int:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id="bench-offsets", group_id=None)
+    await consumer.start()
+    try:
+        tp = TopicPartition(topic, 0)
+        return (await consumer.end_offsets([tp]))[tp]
+    finally:
+        await consumer.stop()
+
+
+def breakdown(arrays: dict, journal: dict[str, int] | None) -> dict:
+    """Mean and p50 (ms) of send → journal append → reply sent → receipt over the measured requests
+    (Kafka timestamps are whole ms; the driver's clocks are exact)."""
+    seg = {"send_to_journal": [], "journal_to_reply": [], "send_to_reply": [], "reply_to_receipt": []}
+    for j in range(arrays["n_warm"], len(arrays["rids"])):
+        rts = arrays["reply_ts"][j]
+        if rts is None:
+            continue
+        sent = arrays["send_wall"][j] * 1000
+        seg["send_to_reply"].append(rts - sent)
+        seg["reply_to_receipt"].append(arrays["recv_wall"][j] * 1000 - rts)
+        if journal is not None:
+            jts = journal.get(arrays["rids"][j])
+            if jts is not None:
+                seg["send_to_journal"].append(jts - sent)
+                seg["journal_to_reply"].append(rts - jts)
+    return {k: {"mean": r3(mean(v)), "p50": r3(pct(v, 50)), "p99": r3(pct(v, 99))}
+            for k, v in seg.items() if v}
+
+
+# === the worker's metrics ============================================================================
+def parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("switchyard_") and " " in line:
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                pass
+    return out
+
+
+def metric_delta(before: dict, after: dict, prefix: str) -> dict[str, float]:
+    return {k[len(prefix):]: after[k] - before.get(k, 0.0) for k in after
+            if k.startswith(prefix) and after[k] - before.get(k, 0.0)}
+
+
+# === orchestration ===================================================================================
+def machine_info() -> dict:
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip())
+    except OSError:
+        rev, dirty = "", False
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpus": os.cpu_count(), "cpu": cpu,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "git": rev + ("+dirty" if dirty else ""), "loadavg_start": list(os.getloadavg())}
+
+
+async def register_fleet(bootstrap: str, prefix: str, n: int, models: int, per_box: int) -> None:
+    from aiokafka import AIOKafkaProducer
+
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    await producer.start()
+    try:
+        topic = prefix + "switchyard.providers"
+        for name, rec in fleet_events(n, models, per_box, at_ms=wall_ms()):
+            await producer.send(topic, value=codec.encode(name, rec), key=rec["provider_id"].encode())
+        await producer.flush()
+    finally:
+        await producer.stop()
+
+
+def wait_metric(worker, name: str, target: float, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    value = 0.0
+    while time.monotonic() < deadline:
+        value = worker.metric(name)
+        if value >= target:
+            return value
+        time.sleep(0.5)
+    raise TimeoutError(f"{name} = {value}, expected {target} within {timeout:.0f}s")
+
+
+def wait_idle(worker, quiet: float = 2.0, timeout: float = 180.0) -> float:
+    """Wait until the worker has applied and ingested nothing new for `quiet` s (its backlog is
+    gone, so the next phase starts clean); returns the seconds waited."""
+    t0 = time.monotonic()
+    last, since = None, time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        m = parse_metrics(worker.metrics())
+        now = tuple(sorted((k, v) for k, v in m.items() if k.startswith(
+            ("switchyard_journal_entries_applied_total{", "switchyard_events_ingested_total{"))
+            and 'type="Tick"' not in k))
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet:
+            break
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+def fmt(v, digits=1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def ratio(a, b):
+    return round(a / b, 2) if a is not None and b else None
+
+
+def report(results: list[dict], rates: list[float]) -> tuple[str, list[dict]]:
+    lines = [f"{'rate/s':>7} {'system':<15} {'p50 ms':>7} {'p90 ms':>7} {'p99 ms':>7} {'max ms':>7} "
+             f"{'achieved/s':>10} {'replies':>7} {'lost':>5}"]
+    ratios = []
+    for rate in rates:
+        by = {r["system"]: r for r in results if r["rate"] == rate}
+        for s in SYSTEMS:
+            r = by.get(s)
+            if r is None:
+                continue
+            lines.append(f"{rate:>7g} {s:<15} {fmt(r['p50_ms'], 2):>7} {fmt(r['p90_ms'], 2):>7} "
+                         f"{fmt(r['p99_ms'], 2):>7} {fmt(r['max_ms'], 1):>7} {fmt(r['achieved_rate']):>10} "
+                         f"{r['replies']:>7} {r['lost']:>5}")
+        ours, echo, pipe = by.get("switchyard"), by.get("echo"), by.get("pipeline")
+        if ours:
+            q = {"rate": rate,
+                 "p50_vs_echo": ratio(ours["p50_ms"], echo and echo["p50_ms"]),
+                 "p50_vs_pipeline": ratio(ours["p50_ms"], pipe and pipe["p50_ms"]),
+                 "p99_vs_echo": ratio(ours["p99_ms"], echo and echo["p99_ms"]),
+                 "p99_vs_pipeline": ratio(ours["p99_ms"], pipe and pipe["p99_ms"]),
+                 "p99_ms": ours["p99_ms"]}
+            q["goals"] = {
+                f"p50 <= {GOAL_P50_VS_PIPELINE}x pipeline": q["p50_vs_pipeline"] is not None
+                and q["p50_vs_pipeline"] <= GOAL_P50_VS_PIPELINE,
+                f"p50 <= {GOAL_P50_VS_ECHO}x echo": q["p50_vs_echo"] is not None and q["p50_vs_echo"] <= GOAL_P50_VS_ECHO,
+                f"p99 < {GOAL_P99_MS} ms": ours["p99_ms"] is not None and ours["p99_ms"] < GOAL_P99_MS,
+                "no lost replies": ours["lost"] == 0}
+            ratios.append(q)
+    lines.append("")
+    for q in ratios:
+        met = ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in q["goals"].items())
+        lines.append(f"rate {q['rate']:g}/s  switchyard/echo p50 {fmt(q['p50_vs_echo'], 2)}x p99 "
+                     f"{fmt(q['p99_vs_echo'], 2)}x;  switchyard/pipeline p50 {fmt(q['p50_vs_pipeline'], 2)}x "
+                     f"p99 {fmt(q['p99_vs_pipeline'], 2)}x;  {met}")
+    lines.append("")
+    lines.append("CPU per phase (cores = CPU seconds / wall seconds; others = the rest of the machine):")
+    for r in results:
+        c = r.get("cpu") or {}
+        lines.append(f"  {r['rate']:>6g} {r['system']:<15} system {fmt(c.get('system_cores'), 2)} cores "
+                     f"({fmt(c.get('system_sys_share') and 100 * c['system_sys_share'], 0)}% kernel), "
+                     f"{fmt(c.get('system_cpu_ms_per_request'), 3)} ms CPU/request; broker "
+                     f"{fmt(c.get('broker_cpu_s') and c['broker_cpu_s'] / c['wall_s'], 2)}, driver "
+                     f"{fmt(c.get('driver_cpu_s') and c['driver_cpu_s'] / c['wall_s'], 2)}, machine "
+                     f"{fmt(c.get('machine_busy_cores'), 2)} of {c.get('cores')} (others "
+                     f"{fmt(c.get('others_busy_cores'), 2)})")
+    lines.append("")
+    lines.append("where the time goes (mean / p50 ms; Kafka timestamps, +-1 ms):")
+    for r in results:
+        b = r.get("breakdown") or {}
+        parts = [f"{k} {fmt(v['mean'], 2)}/{fmt(v['p50'], 0)}" for k, v in b.items()]
+        lines.append(f"  {r['rate']:>6g} {r['system']:<15} " + "  ".join(parts))
+    return "\n".join(lines), ratios
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.pipeline_latency",
+                                 description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="role")
+    f = sub.add_parser("fleet", help="(internal) the heartbeat + completion child")
+    f.add_argument("--bootstrap", required=True)
+    f.add_argument("--prefix", required=True)
+    f.add_argument("--replies", required=True)
+    f.add_argument("--providers", type=int, default=1260)
+    f.add_argument("--models", type=int, default=15)
+    f.add_argument("--per-box", type=int, default=2)
+    f.add_argument("--interval", type=float, default=5.0)
+    f.add_argument("--hold-ms", type=float, default=200.0)
+    f.add_argument("--paused", action="store_true")
+    pr = sub.add_parser("profile", help="summarise a py-spy raw profile by category")
+    pr.add_argument("file")
+    ap.add_argument("--rates", default="200,1000", help="requests/s, comma-separated (default 200,1000)")
+    ap.add_argument("--seconds", type=float, default=15.0, help="measured seconds per rate and system (default 15)")
+    ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds before each (default 3)")
+    ap.add_argument("--drain", type=float, default=5.0, help="seconds to wait for the last replies (default 5)")
+    ap.add_argument("--providers", type=int, default=1260, help="fleet size (default 1260)")
+    ap.add_argument("--models", type=int, default=15, help="models in the fleet (default 15)")
+    ap.add_argument("--per-box", type=int, default=2, help="models per provider (default 2)")
+    ap.add_argument("--heartbeat-s", type=float, default=5.0, help="heartbeat interval per provider (default 5)")
+    ap.add_argument("--hold-ms", type=float, default=200.0, help="routed request -> its Completion (default 200)")
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                    help="comma-separated, in order, of echo,pipeline,pipeline_shared,switchyard "
+                         "(default echo,pipeline,switchyard; pipeline_shared: the bare pipeline with one "
+                         "consumer for both stages)")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", default="out/bench/pipeline_latency.json")
+    ap.add_argument("--workdir", default="var/bench", help="worker data dirs and logs go under here")
+    ap.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="extra environment for the worker, e.g. an EIGENINFERENCE_* setting (repeat)")
+    ap.add_argument("--py-spy", metavar="DIR", help="profile the worker with py-spy during switchyard phases "
+                    "(samples of the thread holding the GIL: where the CPU goes)")
+    ap.add_argument("--py-spy-idle", action="store_true", help="with --py-spy: sample every thread, idle "
+                    "ones too (where the worker waits)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.role == "fleet":
+        asyncio.run(fleet_main(args))
+        return 0
+    if args.role == "profile":
+        summary = profile_summary(args.file)
+        print(f"{summary['samples']} samples")
+        for k, v in summary["shares"].items():
+            print(f"{100 * v:5.1f}%  {k}")
+        return 0
+    from streams.broker import LocalKafka
+    from streams.client import ensure_topics
+    from streams.worker_process import Worker
+
+    rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown or not rates or min(rates) <= 0:
+        print(f"bad --systems {sorted(unknown)} or --rates", file=sys.stderr)
+        return 2
+    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    tag = run_id.replace("-", "")
+    rundir = (ROOT / args.workdir / f"latency-{run_id}").resolve()
+    base = f"bench{tag}."
+    topics = {
+        "echo": (base + "echo.requests", base + "echo.replies"),
+        "pipeline": (base + "pipe.requests", base + "pipe.replies"),
+        "pipeline_shared": (base + "pipe1.requests", base + "pipe1.replies"),
+        "switchyard": (base + "sy.switchyard.requests", base + "sy.bench.replies"),
+    }
+    pipe_journal = base + "pipe.journal"
+    pipe1_journal = base + "pipe1.journal"
+    sy_prefix = base + "sy."
+    info = machine_info()
+    info.update(run_id=run_id, rundir=str(rundir), settings={
+        k: getattr(args, k) for k in ("rates", "seconds", "warmup", "drain", "providers", "models", "per_box",
+                                      "heartbeat_s", "hold_ms", "seed", "worker_env")},
+        pipeline_avro="decode on both stages, encode of the reply")
+    models = model_names(args.models)
+
+    broker = worker = fleet = None
+    children: dict[str, Child] = {}
+    results: list[dict] = []
+    code = 0
+    try:
+        bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+        if bootstrap:
+            info["broker"] = f"external {bootstrap}"
+        else:
+            print("starting a local Kafka broker ...", flush=True)
+            broker = LocalKafka().start()
+            bootstrap = broker.bootstrap
+            info["broker"] = f"LocalKafka {bootstrap}"
+        # The worker's output topics are created up front, as a deployment would: left to the
+        # broker's auto-creation on first send, the first routed decision stalls the worker's
+        # producer (seen once as a wedge: docs/benchmarks.md).
+        asyncio.run(ensure_topics(bootstrap, [t for s in systems for t in topics[s]]
+                                  + ([pipe_journal] if "pipeline" in systems else [])
+                                  + ([pipe1_journal] if "pipeline_shared" in systems else [])
+                                  + ([sy_prefix + t for t in WORKER_OUTPUT_TOPICS] if "switchyard" in systems else [])))
+        if "echo" in systems:
+            children["echo"] = Child("benchmarks.echo_baselines", [
+                "echo", "--bootstrap", bootstrap, "--requests", topics["echo"][0],
+                "--replies", topics["echo"][1]], rundir / "echo.log").start()
+        if "pipeline" in systems:
+            children["pipeline"] = Child("benchmarks.echo_baselines", [
+                "pipeline", "--bootstrap", bootstrap, "--requests", topics["pipeline"][0],
+                "--journal", pipe_journal, "--replies", topics["pipeline"][1]], rundir / "pipeline.log").start()
+        if "pipeline_shared" in systems:
+            children["pipeline_shared"] = Child("benchmarks.echo_baselines", [
+                "pipeline", "--shared-consumer", "--bootstrap", bootstrap, "--requests", topics["pipeline_shared"][0],
+                "--journal", pipe1_journal, "--replies", topics["pipeline_shared"][1]],
+                rundir / "pipeline_shared.log").start()
+        if "switchyard" in systems:
+            print(f"starting a worker (log {rundir / 'worker.log'}) ...", flush=True)
+            worker_env = dict(item.partition("=")[::2] for item in args.worker_env)
+            worker = Worker(bootstrap, rundir / "worker", f"switchyard-bench-{tag}", sy_prefix, env=worker_env).start()
+            t0 = time.monotonic()
+            asyncio.run(register_fleet(bootstrap, sy_prefix, args.providers, args.models, args.per_box))
+            wait_metric(worker, "switchyard_providers_online", args.providers, 180)
+            print(f"{args.providers} providers online after {time.monotonic() - t0:.1f}s", flush=True)
+            fleet = Child("benchmarks.pipeline_latency", [
+                "fleet", "--bootstrap", bootstrap, "--prefix", sy_prefix, "--replies", topics["switchyard"][1],
+                "--providers", str(args.providers), "--models", str(args.models), "--per-box", str(args.per_box),
+                "--interval", str(args.heartbeat_s), "--hold-ms", str(args.hold_ms), "--paused"],
+                rundir / "fleet.log").start()
+
+        # Prime every system (first-use costs: metadata of output topics the worker creates on first
+        # send, the core's per-model candidate indexes): 2 s at 20 requests/s, not reported.
+        for system in systems:
+            if system == "switchyard":
+                os.kill(fleet.pid, signal.SIGUSR2)
+            try:
+                primed, _ = asyncio.run(drive(bootstrap, system, *topics[system], 20.0, 0.0, 2.0, models,
+                                              args.seed + 1, 10.0))
+            finally:
+                if system == "switchyard":
+                    os.kill(fleet.pid, signal.SIGUSR1)
+            print(f"primed {system}: {primed['replies']}/{primed['requests']} replies, p50 "
+                  f"{fmt(primed['p50_ms'], 1)} ms", flush=True)
+
+        for rate in rates:
+            for system in systems:
+                print(f"rate {rate:g}/s: {system} ({args.warmup:g}+{args.seconds:g} s) ...", flush=True)
+                before = parse_metrics(worker.metrics()) if system == "switchyard" else {}
+                journal_topic = {"pipeline": pipe_journal, "pipeline_shared": pipe1_journal,
+                                 "switchyard": sy_prefix + "switchyard.journal"}.get(system)
+                jstart = asyncio.run(end_offset(bootstrap, journal_topic)) if journal_topic else None
+                spy = None
+                if system == "switchyard":
+                    os.kill(fleet.pid, signal.SIGUSR2)  # heartbeats on
+                    time.sleep(1.0)
+                    if args.py_spy:
+                        Path(args.py_spy).mkdir(parents=True, exist_ok=True)
+                        spy = subprocess.Popen(
+                            [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(worker.proc.pid),
+                             "-d", str(int(args.warmup + args.seconds)), "-r", "200", "-f", "raw", "--nonblocking",
+                             "--threads", "--idle" if args.py_spy_idle else "--gil",
+                             "-o", str(Path(args.py_spy) / f"worker-{int(rate)}.txt")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                pids = {"system": worker.proc.pid if system == "switchyard" else children[system].pid,
+                        "broker": broker.pid if broker is not None else None}
+                if system == "switchyard":
+                    pids["fleet"] = fleet.pid
+                meter = CpuMeter(pids).start()
+                t_phase = time.monotonic()
+                try:
+                    res, arrays = asyncio.run(drive(bootstrap, system, *topics[system], rate, args.warmup,
+                                                    args.seconds, models, args.seed, args.drain))
+                finally:
+                    if system == "switchyard":
+                        os.kill(fleet.pid, signal.SIGUSR1)  # heartbeats off
+                    if spy is not None:
+                        spy.wait(60)
+                phase_s = time.monotonic() - t_phase
+                cpu = meter.stop()
+                sent = res["requests"] + int(round(rate * args.warmup))
+                if "system_cpu_s" in cpu:
+                    cpu["system_cpu_ms_per_request"] = round(1000 * cpu["system_cpu_s"] / sent, 3)
+                    cpu["system_cores"] = round(cpu["system_cpu_s"] / cpu["wall_s"], 2)
+                    cpu["system_sys_share"] = round(cpu["system_sys_cpu_s"] / cpu["system_cpu_s"], 2) \
+                        if cpu["system_cpu_s"] else None
+                res["cpu"] = cpu
+                if spy is not None:
+                    res["profile"] = profile_summary(Path(args.py_spy) / f"worker-{int(rate)}.txt")
+                journal = None
+                if journal_topic:
+                    wanted = set(arrays["rids"][arrays["n_warm"]:])
+                    journal = asyncio.run(journal_times(bootstrap, journal_topic, jstart, wanted))
+                res["breakdown"] = breakdown(arrays, journal)
+                if system == "switchyard":
+                    after = parse_metrics(worker.metrics())
+                    applied = metric_delta(before, after, "switchyard_journal_entries_applied_total")
+                    res["worker"] = {
+                        "applied_per_s": {k: round(v / phase_s, 1) for k, v in applied.items()},
+                        "decisions": metric_delta(before, after, "switchyard_decisions_total"),
+                        "core_errors": metric_delta(before, after, "switchyard_core_errors_total"),
+                        "phase_seconds": round(phase_s, 1)}
+                    if not worker.running():
+                        raise RuntimeError("the worker died; see " + str(worker.log))
+                    res["worker"]["backlog_drain_s"] = round(wait_idle(worker), 1)
+                results.append(res)
+                print(f"  p50 {fmt(res['p50_ms'], 2)} ms, p99 {fmt(res['p99_ms'], 2)} ms, "
+                      f"achieved {fmt(res['achieved_rate'])}/s, lost {res['lost']}, outcomes {res['outcomes']}"
+                      + (f", worker applied/s {res['worker']['applied_per_s']}" if "worker" in res else "")
+                      + f"; cpu {res['cpu']}", flush=True)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        code = 130
+    except Exception as e:  # noqa: BLE001 - report what we have, then fail
+        print(f"benchmark failed: {e!r}", file=sys.stderr)
+        code = 1
+    finally:
+        info["children"] = {}
+        if fleet is not None:
+            info["children"]["fleet"] = fleet.stop()
+        for name, child in children.items():
+            info["children"][name] = child.stop()
+        if worker is not None:
+            worker.stop()
+        if broker is not None:
+            broker.stop()
+        info["loadavg_end"] = list(os.getloadavg())
+    if results:
+        text, ratios = report(results, rates)
+        print("\n" + text)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"info": info, "results": results, "ratios": ratios}, indent=2) + "\n")
+        print(f"\nresults: {out}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""Replay speed: journal entries per second through the routing core, next to a bare fastavro
+decode of the same journal in the same run (an Avro object container file, as `replay export
+--avro` writes).
+
+    .venv/bin/python -m benchmarks.replay_speed [--hours 0.25] [--providers 1260] [--rate 46]
+
+Generates the journal with the simulator (offline, deterministic), converts it to an Avro
+container once, then times (a) fastavro reading every entry and (b) reading + Router.apply.
+The goal is a one-day journal (≈ 12 M entries) in under 15 minutes; the day figure is extrapolated
+from the measured rate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from fastavro import parse_schema, reader, writer
+
+from streams import codec
+from streams.jsonl import read_journal
+from streams.router import Router
+
+DAY_ENTRIES = 12_000_000
+
+
+def to_avro(jsonl: Path, out: Path) -> int:
+    names = sorted(codec.JOURNAL_TYPES)
+    schema = parse_schema({"type": "record", "name": "JournalEntry", "namespace": "switchyard",
+                           "fields": [{"name": "journal_offset", "type": "long"},
+                                      {"name": "journal_time_ms", "type": ["null", "long"]},
+                                      {"name": "event", "type": [codec.schema(n) for n in names]}]})
+    rows = [{"journal_offset": e.journal_offset, "journal_time_ms": e.journal_time_ms,
+             "event": (f"switchyard.{e.type}", e.record)} for e in read_journal(jsonl)]
+    with out.open("wb") as fp:
+        writer(fp, schema, rows)
+    return len(rows)
+
+
+def bare_decode(path: Path) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    with path.open("rb") as fp:
+        n = sum(1 for _ in reader(fp, return_record_name=True))
+    return n, time.perf_counter() - t0
+
+
+def replay(path: Path) -> tuple[int, float]:
+    router = Router()
+    t0 = time.perf_counter()
+    with path.open("rb") as fp:
+        n = 0
+        for row in reader(fp, return_record_name=True):
+            name, record = row["event"]
+            router.apply(row["journal_offset"], row["journal_time_ms"], name.rsplit(".", 1)[-1], record)
+            n += 1
+    return n, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hours", type=float, default=0.25, help="simulated hours of journal (default %(default)s)")
+    ap.add_argument("--providers", type=int, default=1260)
+    ap.add_argument("--rate", type=float, default=46.0, help="requests per second")
+    ap.add_argument("--workdir", default="out/bench/replay")
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    jsonl = work / f"journal-{args.providers}p-{args.hours}h.jsonl"
+    if not jsonl.exists():
+        subprocess.run([sys.executable, "-m", "streams.sim", "offline", "--preset", "default",
+                        "--providers", str(args.providers), "--rate", str(args.rate),
+                        "--duration", str(int(args.hours * 3600)), "--seed", "1", "--out", str(jsonl)],
+                       check=True)
+    avro = jsonl.with_suffix(".avro")
+    if not avro.exists():
+        to_avro(jsonl, avro)
+    n, bare = bare_decode(avro)
+    _, core = replay(avro)
+    result = {"entries": n, "bare_decode_per_s": n / bare, "replay_per_s": n / core,
+              "ratio": (n / core) / (n / bare), "day_minutes_extrapolated": DAY_ENTRIES / (n / core) / 60,
+              "providers": args.providers, "rate": args.rate, "hours": args.hours}
+    print(f"{n} entries: bare fastavro decode {result['bare_decode_per_s']:,.0f}/s, "
+          f"replay {result['replay_per_s']:,.0f}/s ({result['ratio']:.2f}× the bare decode rate); "
+          f"a {DAY_ENTRIES / 1e6:.0f} M-entry day would take {result['day_minutes_extrapolated']:.0f} min")
+    (work / "result.json").write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

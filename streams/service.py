@@ -20,9 +20,12 @@ from __future__ import annotations
 import base64
 import os
 import time
+import types
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+import aiokafka
+import faust.transport.drivers.aiokafka as faust_aiokafka_driver
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 import faust
@@ -80,6 +83,23 @@ def _rocksdb_options() -> dict:
 
 
 SECURITY = KafkaSecurity.from_env()  # PLAINTEXT unless KAFKA_SECURITY_PROTOCOL says otherwise
+
+# Faust hard-codes aiokafka's fetch_max_wait_ms=1500: a fetch in flight while a partition is paused
+# for flow control can hold new entries of that partition back for up to 1.5 s. A gateway waits on
+# every journal entry, so the worker's consumer asks with a short wait instead.
+FETCH_MAX_WAIT_MS = 50
+
+
+class _ShortFetchWaitConsumer(aiokafka.AIOKafkaConsumer):
+    def __init__(self, *args, **kwargs):
+        kwargs["fetch_max_wait_ms"] = FETCH_MAX_WAIT_MS
+        super().__init__(*args, **kwargs)
+
+
+_aiokafka_for_faust = types.ModuleType("aiokafka")
+_aiokafka_for_faust.__dict__.update(aiokafka.__dict__)
+_aiokafka_for_faust.AIOKafkaConsumer = _ShortFetchWaitConsumer
+faust_aiokafka_driver.aiokafka = _aiokafka_for_faust
 
 app = faust.App(
     os.environ.get("SWITCHYARD_APP_ID", "switchyard"),
@@ -407,6 +427,14 @@ async def append_to_journal(name: str, record: dict) -> None:
     await app.producer.send_and_wait(
         journal_topic.get_topic_name(), key=DOMAIN_KEY, value=codec.encode(name, record),
         partition=0, timestamp=ms_to_kafka_seconds(wall_ms()), headers=None)
+
+
+@app.task
+async def declare_output_topics() -> None:
+    """Output topics exist before the first decision: no wait on broker auto-creation (which most
+    production clusters turn off)."""
+    for topic in (decisions_topic, reservations_topic, capacity_topic, deadletter_topic):
+        await topic.maybe_declare()
 
 
 @app.task(on_leader=True)

@@ -87,7 +87,7 @@ SECURITY = KafkaSecurity.from_env()  # PLAINTEXT unless KAFKA_SECURITY_PROTOCOL 
 # Faust hard-codes aiokafka's fetch_max_wait_ms=1500: a fetch in flight while a partition is paused
 # for flow control can hold new entries of that partition back for up to 1.5 s. A gateway waits on
 # every journal entry, so the worker's consumer asks with a short wait instead.
-FETCH_MAX_WAIT_MS = 50
+FETCH_MAX_WAIT_MS = 100
 
 
 class _ShortFetchWaitConsumer(aiokafka.AIOKafkaConsumer):

@@ -156,3 +156,22 @@ def test_the_capacity_feed_is_published_per_model_when_it_changes(pipeline):
                      and f[-1]["remaining_concurrency"] < latest["remaining_concurrency"] and f,
                      what="the feed to shrink after reservations")
     assert all(f["model"] == "gpt-oss-20b" for f in after)
+
+
+def test_an_exported_journal_audits_clean_from_the_file(pipeline, tmp_path):
+    """`replay export` (with the recorded decisions) then `replay audit` on the file alone."""
+    import subprocess
+    import sys
+    bootstrap, prefix, worker = pipeline
+    produce_events(bootstrap, prefix + "switchyard.providers", fleet(3))
+    produce_events(bootstrap, prefix + "switchyard.requests",
+                   [(f"e{i}", "RouteRequest", request(f"e{i}", prompt=100 + 500 * i)) for i in range(12)])
+    wait_for(lambda: len(decisions_of(bootstrap, prefix)) >= 12, what="12 decisions")
+    out, avro = tmp_path / "journal.jsonl", tmp_path / "journal.avro"
+    run = [sys.executable, "-m", "replay"]
+    subprocess.run(run + ["export", "--bootstrap", bootstrap, "--topic", prefix + "switchyard.journal",
+                          "--decisions-topic", prefix + "switchyard.decisions", "--out", str(out),
+                          "--avro", str(avro)], check=True, capture_output=True)
+    res = subprocess.run(run + ["audit", "--journal", str(out)], capture_output=True, text=True)
+    assert res.returncode == 0 and "AUDIT OK" in res.stdout, res.stdout + res.stderr
+    assert "identical: " in res.stdout and avro.stat().st_size > 0

@@ -131,7 +131,7 @@ def test_a_standby_worker_takes_over_when_the_active_one_dies(pipeline, tmp_path
         produce_events(bootstrap, prefix + "switchyard.requests",
                        [(f"b{i}", "RouteRequest", request(f"b{i}")) for i in range(8)])
         got = wait_for(lambda: (d := decisions_of(bootstrap, prefix)) and
-                       len({x["request_id"] for x in d}) >= 16 and d, timeout=90, what="the standby's decisions")
+                       len({x["request_id"] for x in d}) >= 16 and d, timeout=180, what="the standby's decisions")
         assert other.metric("switchyard_journal_entries_applied_total", 'type="RouteRequest"') >= 8
         report = audit(bootstrap, prefix)
         assert report.ok, report.summary()

@@ -35,6 +35,7 @@ EVENT_DEDUP_WINDOW = 100_000
 REQUEST_DEDUP_WINDOW = 200_000
 AFFINITY_MAX = 10_000
 MAX_ID_LIST = 1024
+MAX_REQUEST_TOKENS = 2**31 - 1  # prompt_tokens / max_tokens above it: invalid_request (reservations stay Avro longs)
 
 TIME_FIELD = {
     "ProviderRegistered": "registered_at_ms", "Heartbeat": "sent_at_ms",
@@ -472,6 +473,8 @@ class Router:
         self_route, prefer_owner = bool(e.get("self_route_only")), bool(e.get("prefer_owner"))
         if attempt < 0 or prompt < 0 or max_tokens < 0 or max_ttft < 0 or min_decode < 0:
             return None, "negative"
+        if prompt > MAX_REQUEST_TOKENS or max_tokens > MAX_REQUEST_TOKENS:
+            return None, "too_many_tokens"
         if (self_route or prefer_owner) and not account:
             return None, "owner_without_account"
         prompt = max(0, prompt)

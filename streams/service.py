@@ -199,6 +199,8 @@ async def dead_letter(message, reason: str, detail: str = "") -> None:
 def refusal(topic: str, key: bytes | None, value) -> tuple[str, str] | None:
     """Why an input event may not enter the journal, or None. Stateless checks only: clamps and
     semantic checks that need state live in the core (rules §4)."""
+    if value is None:  # a tombstone: Faust hands a null value over without calling the codec
+        return "empty", "null value (tombstone)"
     if isinstance(value, Undecodable):
         return value.reason, value.detail
     if value.name not in INPUTS[topic]:
@@ -301,10 +303,24 @@ def apply_entry(offset: int, time_ms: int, name: str, record: dict) -> list:
     return router.apply(offset, time_ms, name, record)
 
 
-def encode_outputs(outputs: list) -> list[tuple[str, bytes, bytes]]:
-    """(topic, key, value) of every message an entry's outputs publish."""
+CORE_REFUSAL_ORIGINAL = 4096  # the whole entry stays in the journal at the dead letter's offset
+
+
+def encode_outputs(outputs: list, entry: tuple | None = None) -> list[tuple[str, bytes, bytes]]:
+    """(topic, key, value) of every message an entry's outputs publish. `entry` = (offset, journal
+    time ms, key, raw value) of the journal entry: an event the core refuses is dead-lettered with
+    the core's reason (at_ms is the journal time, so a copy re-sent from the outbox is identical)."""
     messages = []
     for kind, record in outputs:
+        if kind == "Rejected" and entry is not None:
+            offset, entry_ms, key, raw = entry
+            detail = record.get("detail") or ""
+            if len(raw) > CORE_REFUSAL_ORIGINAL:
+                detail = f"original truncated from {len(raw)} bytes (whole entry at the offset); {detail}"
+            messages.append((deadletter_topic.get_topic_name(), key or b"", codec.encode("DeadLetter", {
+                "original_key": key, "original_value": raw[:CORE_REFUSAL_ORIGINAL],
+                "topic": journal_topic.get_topic_name(), "partition": 0, "offset": offset,
+                "reason": record["reason"], "detail": detail[:1000], "at_ms": entry_ms})))
         if kind == "RouteDecision":
             messages.append((reply_topics.topic_for(record), record["request_id"].encode(),
                              codec.encode(kind, record)))
@@ -312,6 +328,23 @@ def encode_outputs(outputs: list) -> list[tuple[str, bytes, bytes]]:
             messages.append((reservations_topic.get_topic_name(), record["provider_id"].encode(),
                              codec.encode(kind, record)))
     return messages
+
+
+def encode_outputs_safely(outputs: list, entry: tuple) -> list[tuple[str, bytes, bytes]]:
+    """encode_outputs, one output at a time: an output the codec refuses (a core bug, e.g. a value
+    outside Avro's long) is counted and skipped instead of crashing the router agent after the
+    entry was applied — which would lose every output of the entry, the decision included."""
+    try:
+        return encode_outputs(outputs, entry)
+    except codec.CodecError:
+        messages = []
+        for output in outputs:
+            try:
+                messages += encode_outputs([output], entry)
+            except codec.CodecError as exc:
+                app.log.error("journal offset %s: cannot encode %s: %s", entry[0], output[0], exc)
+                CORE_ERRORS.labels(f"encode_{output[0]}").inc()
+        return messages
 
 
 def observe(outputs: list, entry_time_ms: int, request: dict | None) -> None:
@@ -329,6 +362,8 @@ def observe(outputs: list, entry_time_ms: int, request: dict | None) -> None:
             TRIPWIRES.labels(record["model"]).inc()
         elif kind == "PrefillShadow":
             PREFILL_SHADOW.labels(record["decision"], record["gate"]).inc()
+        elif kind == "Rejected":
+            DEAD_LETTERED.labels(journal_topic.get_topic_name(), record["reason"]).inc()
 
 
 class CoreStore:
@@ -353,13 +388,20 @@ class CoreStore:
         items = dict(core_table.items())
         delta = items.pop("delta", None)
         if delta is not None:
+            # A crash may have cut the key writes that followed the delta. Complete them in the
+            # table as well, not only in memory: the next entry's delta replaces this one, and
+            # the keys would stay stale in the table (and the changelog) for the next takeover.
             for k, v in delta["changes"].items():
                 if v is None:
                     items.pop(k, None)
+                    if k in core_table:
+                        del core_table[k]
                 else:
                     items[k] = v
+                    core_table[k] = v
             if delta["outputs"]:
                 items[f"out{SEP}{delta['o']}"] = delta["outputs"]
+                core_table[f"out{SEP}{delta['o']}"] = delta["outputs"]
         outbox = sorted((int(k.split(SEP)[1]), v) for k, v in items.items() if k.startswith("out" + SEP))
         for k, v in items.items():
             if k.startswith("reply" + SEP):
@@ -496,7 +538,7 @@ async def route(stream) -> None:
             continue
         if offset > router.offset + 1:
             await catch_up(router, offset)
-        if isinstance(value, Undecodable):  # only this app writes the journal; count and move on
+        if value is None or isinstance(value, Undecodable):  # only this app writes the journal
             JOURNAL_APPLIED.labels("undecodable").inc()
             router.offset = offset
             continue
@@ -508,7 +550,7 @@ async def route(stream) -> None:
             CORE_ERRORS.labels(type(exc).__name__).inc()
             router.offset = offset
             continue
-        messages = encode_outputs(outputs)
+        messages = encode_outputs_safely(outputs, (offset, entry_ms, message.key, bytes(message.value)))
         for topic, key, data in messages:
             await send_raw(topic, key, data)
         store.save(offset, messages)

@@ -38,6 +38,7 @@ class Worker:
 
     def start(self, timeout: float = 90.0) -> "Worker":
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        since = self.log.stat().st_size if self.log.exists() else 0  # the log is appended across runs
         env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, SWITCHYARD_DATADIR=str(self.datadir),
                    SWITCHYARD_APP_ID=self.app_id, SWITCHYARD_TOPIC_PREFIX=self.prefix,
                    SWITCHYARD_WEB_PORT=str(self.web_port), PYTHONPATH=str(ROOT), **self.extra_env)
@@ -51,7 +52,7 @@ class Worker:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.tail()}")
-            if "ready" in self.tail(200).lower():
+            if b"ready" in self._log_from(since).lower():
                 try:
                     self.metrics()
                     return self
@@ -69,6 +70,14 @@ class Worker:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return ""
+
+    def _log_from(self, offset: int) -> bytes:
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(offset)
+                return f.read()
+        except FileNotFoundError:
+            return b""
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.web_port}/metrics", timeout=5) as r:

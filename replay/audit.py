@@ -41,7 +41,8 @@ class AuditReport:
         return "\n".join(lines)
 
 
-def _by_identity(decisions) -> tuple[dict, int]:
+def by_identity(decisions) -> tuple[dict, int]:
+    """Decisions grouped by (request_id, attempt), exact re-sent copies dropped and counted."""
     grouped, duplicates = defaultdict(list), 0
     for d in decisions:
         same = grouped[(d["request_id"], d["attempt"])]
@@ -54,7 +55,7 @@ def _by_identity(decisions) -> tuple[dict, int]:
 
 def compare(recorded: list[dict], replayed: list[dict], fields: list[str] | None = None) -> AuditReport:
     report = AuditReport()
-    (rec_by, report.duplicates), (rep_by, _) = _by_identity(recorded), _by_identity(replayed)
+    (rec_by, report.duplicates), (rep_by, _) = by_identity(recorded), by_identity(replayed)
     for ident, recs in rec_by.items():
         reps = rep_by.get(ident, [])
         for n, rec in enumerate(recs):

@@ -21,13 +21,13 @@ import math
 import random
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from replay.audit import compare
+from replay.audit import by_identity, compare
 from replay.run import decisions as replay_decisions, replay
 from replay.sources import kafka_decisions, kafka_journal
 from streams import codec
@@ -371,21 +371,10 @@ class DecisionCheck:
         return not self.problems
 
 
-def distinct(decisions: list[dict]) -> tuple[dict[Key, list[dict]], int]:
-    by, dups = defaultdict(list), 0
-    for d in decisions:
-        same = by[(d["request_id"], d["attempt"])]
-        if d in same:
-            dups += 1
-        else:
-            same.append(d)
-    return by, dups
-
-
 def check_decisions(sent: set[Key], decisions: list[dict]) -> DecisionCheck:
     """Every sent identity: exactly one distinct final decision (routed/rejected), or `queued`
     followed by exactly one final one. Nothing decided that was not sent."""
-    by, dups = distinct(decisions)
+    by, dups = by_identity(decisions)
     c = DecisionCheck(identities=len(by), decisions=len(decisions), duplicates=dups)
     for key in sent:
         ds = by.get(key, [])
@@ -408,7 +397,7 @@ def reservations(bootstrap: str, prefix: str) -> list[dict]:
 
 def check_reservations(records: list[dict], decisions: list[dict]) -> dict:
     """Distinct reservations by identity equal the routed decisions (same provider); copies counted."""
-    by, dups = distinct(records)
+    by, dups = by_identity(records)
     doubled = {k: v for k, v in by.items() if len(v) > 1}
     routed = {(d["request_id"], d["attempt"]): d["provider_id"] for d in decisions if d["outcome"] == "routed"}
     got = {k: v[0]["provider_id"] for k, v in by.items()}

@@ -28,7 +28,8 @@ from streams.persistence import export
 from streams.persistence import key as pkey
 from streams.router import Router
 from streams.worker_process import Worker
-from tests.faults.support import Load, check_decisions, distinct, journal, live_router, reservations, wall_ms
+from tests.faults.support import Load, check_decisions, journal, live_router, reservations, wall_ms
+from replay.audit import by_identity
 from tests.integration.kafka_io import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -117,7 +118,7 @@ def test_a_half_written_entry_is_completed_in_the_table(kafka_bootstrap, tmp_pat
     finally:
         third.stop()
     recorded = kafka_decisions(bootstrap, prefix + "switchyard.decisions")
-    by, _ = distinct(recorded)
+    by, _ = by_identity(recorded)
     assert len(by[(rid, 0)]) == 1, f"the request was decided twice: {by[(rid, 0)]}"
     held = [r for r in reservations(bootstrap, prefix) if r["request_id"] == rid]
     assert len({json.dumps(r, sort_keys=True) for r in held}) == 1, f"reservations: {held}"

@@ -22,6 +22,7 @@ from streams import codec
 from streams.broker import LocalKafka
 from streams.kafka_security import KafkaSecurity, KafkaSecurityError, switchyard_acls
 from tests.integration.kafka_io import produce_events, read_topic, wait_for
+from tests.integration.test_worker import registration
 from tests.integration.worker import ROOT, Worker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
@@ -72,13 +73,6 @@ async def _read_all(bootstrap: str, security: KafkaSecurity, topic: str) -> list
 
 def read_all(kafka: LocalKafka, security: KafkaSecurity, topic: str) -> list:
     return asyncio.run(_read_all(kafka.bootstrap, security, topic))
-
-
-def registration(pid: str) -> dict:
-    return {"event_id": f"reg-{pid}", "provider_id": pid, "registered_at_ms": 1000, "version": "0.7.5",
-            "trust_level": "hardware", "hardware": {"chip_name": "Apple M3 Max", "chip_family": "M3",
-            "chip_tier": "Max", "memory_gb": 64.0, "memory_bandwidth_gbs": 400.0, "gpu_cores": 40},
-            "decode_tps": 40.0, "models": [{"id": "gpt-oss-20b", "size_bytes": 12_000_000_000}]}
 
 
 def heartbeat(pid: str, seq: int) -> dict:

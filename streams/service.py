@@ -20,12 +20,9 @@ from __future__ import annotations
 import base64
 import os
 import time
-import types
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-import aiokafka
-import faust.transport.drivers.aiokafka as faust_aiokafka_driver
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 import faust
@@ -33,7 +30,7 @@ from faust.serializers import codecs
 from faust.web import Request as WebRequest, Response, View
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from . import codec
+from . import codec, faust_consumer
 from .config import Config
 from .kafka_security import KafkaSecurity
 from .persistence import SEP, export, restore
@@ -84,23 +81,6 @@ def _rocksdb_options() -> dict:
 
 SECURITY = KafkaSecurity.from_env()  # PLAINTEXT unless KAFKA_SECURITY_PROTOCOL says otherwise
 
-# Faust hard-codes aiokafka's fetch_max_wait_ms=1500: a fetch in flight while a partition is paused
-# for flow control can hold new entries of that partition back for up to 1.5 s. A gateway waits on
-# every journal entry, so the worker's consumer asks with a short wait instead.
-FETCH_MAX_WAIT_MS = 100
-
-
-class _ShortFetchWaitConsumer(aiokafka.AIOKafkaConsumer):
-    def __init__(self, *args, **kwargs):
-        kwargs["fetch_max_wait_ms"] = FETCH_MAX_WAIT_MS
-        super().__init__(*args, **kwargs)
-
-
-_aiokafka_for_faust = types.ModuleType("aiokafka")
-_aiokafka_for_faust.__dict__.update(aiokafka.__dict__)
-_aiokafka_for_faust.AIOKafkaConsumer = _ShortFetchWaitConsumer
-faust_aiokafka_driver.aiokafka = _aiokafka_for_faust
-
 app = faust.App(
     os.environ.get("SWITCHYARD_APP_ID", "switchyard"),
     broker="kafka://" + os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
@@ -149,6 +129,7 @@ INPUTS = {
     completions_topic.get_topic_name(): ("Completion",),
     config_topic.get_topic_name(): ("ConfigChange",),
 }
+faust_consumer.install(rewind=lambda tp: tp.topic in INPUTS or tp.topic == journal_topic.get_topic_name())
 
 # The routing core's state, key by key (streams/persistence.py), plus the write-ahead "delta" of
 # the last applied entry and an outbox of recent outputs (see CoreStore).
@@ -529,6 +510,7 @@ async def route(stream) -> None:
             loaded = True
             if router.offset < 0:
                 router, outbox = store.load()
+                app.log.info("router: state loaded at journal offset %s; first entry %s", router.offset, offset)
                 for o, messages in outbox:
                     if offset <= o <= router.offset:
                         for topic, key, data in messages:
@@ -537,7 +519,9 @@ async def route(stream) -> None:
         if offset <= router.offset:  # redelivered: already applied
             continue
         if offset > router.offset + 1:
+            app.log.info("router: catching up journal offsets %s..%s", router.offset + 1, offset - 1)
             await catch_up(router, offset)
+            app.log.info("router: caught up")
         if value is None or isinstance(value, Undecodable):  # only this app writes the journal
             JOURNAL_APPLIED.labels("undecodable").inc()
             router.offset = offset

@@ -130,8 +130,12 @@ def test_a_standby_worker_takes_over_when_the_active_one_dies(pipeline, tmp_path
         active.stop(sig=signal.SIGKILL)
         produce_events(bootstrap, prefix + "switchyard.requests",
                        [(f"b{i}", "RouteRequest", request(f"b{i}")) for i in range(8)])
-        got = wait_for(lambda: (d := decisions_of(bootstrap, prefix)) and
-                       len({x["request_id"] for x in d}) >= 16 and d, timeout=180, what="the standby's decisions")
+        try:
+            got = wait_for(lambda: (d := decisions_of(bootstrap, prefix)) and
+                           len({x["request_id"] for x in d}) >= 16 and d, timeout=180, what="the standby's decisions")
+        except AssertionError as exc:  # say where the survivor stands
+            metrics = [m for m in other.metrics().splitlines() if m.startswith("switchyard_journal")]
+            raise AssertionError(f"{exc}\n" + "\n".join(metrics) + "\n" + other.tail(30)) from None
         assert other.metric("switchyard_journal_entries_applied_total", 'type="RouteRequest"') >= 8
         report = audit(bootstrap, prefix)
         assert report.ok, report.summary()

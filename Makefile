@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install broker clean
+.PHONY: demo test test-faults install broker clean
 
 demo: $(STAMP)
 	$(PY) -m streams.demo $(ARGS)
@@ -14,6 +14,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m streams.broker fetch
 	$(PY) -m pytest $(ARGS)
+
+# The fault tests (kill -9 of the router x20, broker restart, 100k-message fuzz, overload, ...):
+# ~13 min, skipped by `make test` (docs/reliability.md).
+test-faults: $(STAMP)
+	$(PY) -m streams.broker fetch
+	$(PY) -m pytest -m slow tests/faults $(ARGS)
 
 install: $(STAMP)
 

@@ -17,10 +17,10 @@ Environment (adapter settings, not routing settings):
 """
 from __future__ import annotations
 
-import base64
+import asyncio
 import os
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -30,10 +30,11 @@ from faust.serializers import codecs
 from faust.web import Request as WebRequest, Response, View
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from . import codec, faust_consumer
+from . import codec, faust_consumer, faust_table
 from .config import Config
 from .kafka_security import KafkaSecurity
-from .persistence import SEP, export, restore
+from .core_store import CoreStore
+from .persistence import SEP
 from .persistence import key as pkey
 from .router import Router
 
@@ -85,7 +86,9 @@ app = faust.App(
     os.environ.get("SWITCHYARD_APP_ID", "switchyard"),
     broker="kafka://" + os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
     broker_credentials=SECURITY.faust_credentials(),
-    store="rocksdb://",
+    # RocksDB (rocksdict); the table and store are writable from the sequencer's task
+    store=f"{faust_table.SCHEME}://",
+    Table=faust_table.Table,
     datadir=os.environ.get("SWITCHYARD_DATADIR", "var/worker"),
     web_bind=os.environ.get("SWITCHYARD_WEB_BIND", "127.0.0.1"),
     web_host="127.0.0.1",
@@ -131,8 +134,8 @@ INPUTS = {
 }
 faust_consumer.install(rewind=lambda tp: tp.topic in INPUTS or tp.topic == journal_topic.get_topic_name())
 
-# The routing core's state, key by key (streams/persistence.py), plus the write-ahead "delta" of
-# the last applied entry and an outbox of recent outputs (see CoreStore).
+# The routing core's state, key by key (streams/persistence.py), checkpointed, with the deltas of
+# the last entries since (streams/core_store.py).
 core_table = app.Table("core", default=None, partitions=1, key_type=str, options=_rocksdb_options())
 
 # --- metrics --------------------------------------------------------------------------------------
@@ -203,9 +206,7 @@ async def ingest(stream) -> None:
         # The raw bytes are already framed with their schema id: append them unchanged. The send
         # is buffered; Faust flushes the producer before it commits the input offsets, so an
         # event is in the journal before its input offset counts as processed (at-least-once).
-        await app.producer.send(
-            journal_topic.get_topic_name(), key=DOMAIN_KEY, value=bytes(message.value),
-            partition=0, timestamp=ms_to_kafka_seconds(wall_ms()), headers=None)
+        await sequencer.append(bytes(message.value), event.value.name, event.value.record)
         EVENTS_INGESTED.labels(message.topic, event.value.name).inc()
 
 
@@ -235,6 +236,9 @@ JOURNAL_LAG = Gauge("switchyard_journal_lag_seconds", "Wall time minus the last 
 REPLAYED = Counter("switchyard_journal_entries_replayed_total",
                    "Entries folded from the journal at start because the tables were behind",
                    registry=registry)
+APPLIED_ON_ACK = Counter("switchyard_journal_entries_applied_on_ack_total",
+                         "Entries applied when their journal append was acknowledged (the sequencer), "
+                         "not when fetched from the journal", registry=registry)
 RESENT = Counter("switchyard_outputs_resent_total",
                  "Entries whose outputs were re-sent from the outbox after a restart", registry=registry)
 CORE_ERRORS = Counter("switchyard_core_errors_total", "Journal entries the core failed on (bugs)",
@@ -347,76 +351,14 @@ def observe(outputs: list, entry_time_ms: int, request: dict | None) -> None:
             DEAD_LETTERED.labels(journal_topic.get_topic_name(), record["reason"]).inc()
 
 
-class CoreStore:
-    """The core's state in `core_table`, with exactly-once effects under at-least-once delivery.
-
-    After each entry at offset o: first one record `delta` = {o, every changed key's new value,
-    the entry's output messages}, then the changed keys themselves, then `out<SEP>o` (the outputs,
-    kept for the last OUTBOX_KEEP entries with outputs). All go to one changelog partition in this
-    order, so after a crash the store holds a prefix: re-applying `delta` on load completes a
-    half-written entry. Faust commits the input offset only after the producer flushed, so the
-    outputs of entries at or after the committed offset may be lost with the process: on load they
-    are re-sent from the outbox (identical bytes; consumers key by request id). Entries at or below
-    the stored offset are skipped when redelivered (the applied-offset contract, invariant 2)."""
-
-    OUTBOX_KEEP = 20_000
-
-    def __init__(self):
-        self.outbox: deque[int] = deque()
-
-    def load(self) -> tuple[Router, list[tuple[int, list]]]:
-        """The router as stored, and the outbox as (offset, messages) in offset order."""
-        items = dict(core_table.items())
-        delta = items.pop("delta", None)
-        if delta is not None:
-            # A crash may have cut the key writes that followed the delta. Complete them in the
-            # table as well, not only in memory: the next entry's delta replaces this one, and
-            # the keys would stay stale in the table (and the changelog) for the next takeover.
-            for k, v in delta["changes"].items():
-                if v is None:
-                    items.pop(k, None)
-                    if k in core_table:
-                        del core_table[k]
-                else:
-                    items[k] = v
-                    core_table[k] = v
-            if delta["outputs"]:
-                items[f"out{SEP}{delta['o']}"] = delta["outputs"]
-                core_table[f"out{SEP}{delta['o']}"] = delta["outputs"]
-        outbox = sorted((int(k.split(SEP)[1]), v) for k, v in items.items() if k.startswith("out" + SEP))
-        for k, v in items.items():
-            if k.startswith("reply" + SEP):
-                _, rid, attempt = k.split(SEP)
-                reply_topics.by_request[(rid, int(attempt))] = v
-        restored = restore((k, v) for k, v in items.items()
-                           if not k.startswith(("out" + SEP, "reply" + SEP)))
-        self.outbox = deque(o for o, _ in outbox)
-        return restored, [(o, [(t, base64.b64decode(k), base64.b64decode(v)) for t, k, v in msgs])
-                          for o, msgs in outbox]
-
-    def save(self, offset: int, messages: list[tuple[str, bytes, bytes]]) -> None:
-        changes = export(router, router.take_dirty())
-        for k in reply_topics.dirty:
-            changes[pkey("reply", *k)] = reply_topics.by_request.get(k)
-        reply_topics.dirty.clear()
-        encoded = [(t, base64.b64encode(k).decode(), base64.b64encode(v).decode()) for t, k, v in messages]
-        core_table["delta"] = {"o": offset, "changes": changes, "outputs": encoded}
-        for k, v in changes.items():
-            if v is None:
-                if k in core_table:
-                    del core_table[k]
-            else:
-                core_table[k] = v
-        if encoded:
-            core_table[f"out{SEP}{offset}"] = encoded
-            self.outbox.append(offset)
-            while len(self.outbox) > self.OUTBOX_KEEP:
-                old = f"out{SEP}{self.outbox.popleft()}"
-                if old in core_table:
-                    del core_table[old]
+def reply_changes() -> dict:
+    """The reply topics changed since the last call, as core-table keys (None = delete)."""
+    changes = {pkey("reply", *k): reply_topics.by_request.get(k) for k in reply_topics.dirty}
+    reply_topics.dirty.clear()
+    return changes
 
 
-store = CoreStore()
+store = CoreStore(core_table)
 
 
 async def catch_up(router: Router, until: int) -> None:
@@ -447,9 +389,7 @@ async def catch_up(router: Router, until: int) -> None:
 
 
 async def append_to_journal(name: str, record: dict) -> None:
-    await app.producer.send_and_wait(
-        journal_topic.get_topic_name(), key=DOMAIN_KEY, value=codec.encode(name, record),
-        partition=0, timestamp=ms_to_kafka_seconds(wall_ms()), headers=None)
+    await sequencer.append(codec.encode(name, record), name, record)
 
 
 @app.task
@@ -499,47 +439,112 @@ async def publish_capacity() -> None:
             await send_raw(capacity_topic.get_topic_name(), model.encode(), codec.encode("ModelCapacity", feed))
 
 
+# Both paths below apply journal entries; one lock keeps their applies (and the table writes and
+# outputs of each entry) in journal order.
+apply_lock = asyncio.Lock()
+loaded = False  # the state was loaded from the tables (by the router agent's first entry)
+
+
+async def apply_and_publish(offset: int, entry_ms: int, name: str | None, record, key: bytes | None,
+                            raw: bytes) -> None:
+    """Apply the journal entry at `offset` (the next one), publish its outputs, save the state."""
+    if name is None:  # undecodable or null; only this app writes the journal
+        JOURNAL_APPLIED.labels("undecodable").inc()
+        router.offset = offset
+        return
+    try:
+        outputs = apply_entry(offset, entry_ms, name, record)
+    except Exception as exc:  # a core bug must not stop the domain: count it, keep going
+        app.log.exception("core failed on journal offset %s", offset)
+        CORE_ERRORS.labels(type(exc).__name__).inc()
+        router.offset = offset
+        return
+    messages = encode_outputs_safely(outputs, (offset, entry_ms, key, raw))
+    for topic, k, data in messages:
+        await send_raw(topic, k, data)
+    store.save(router, offset, messages, reply_changes())
+    observe(outputs, entry_ms, record if name == "RouteRequest" else None)
+    JOURNAL_APPLIED.labels(name).inc()
+    JOURNAL_LAG.set(max(0.0, time.time() - entry_ms / 1000))
+    for model in router.queues:
+        QUEUE_DEPTH.labels(model).set(len(router.queues[model]))
+
+
+class Sequencer:
+    """The router as the journal's sequencer (architecture, "Latency"): an event this worker appends
+    is applied as soon as the broker acknowledges its journal offset, not after a fetch of the
+    journal, which takes a hop off every reply. The journal stays the authority: an acknowledged
+    entry is applied here only if this worker owns the journal, the state is loaded and the entry
+    is the next one (offset == router.offset + 1). Anything else — an entry another worker
+    appended (a standby leader's Tick), a failed send, a gap — is left to the router agent, which
+    follows the journal and skips what is already applied."""
+
+    def __init__(self):
+        self.acks: asyncio.Queue = asyncio.Queue()  # binds to the running loop at first use
+
+    async def append(self, raw: bytes, name: str, record: dict) -> None:
+        time_ms = wall_ms()
+        ack = await app.producer.send(journal_topic.get_topic_name(), key=DOMAIN_KEY, value=raw,
+                                      partition=0, timestamp=ms_to_kafka_seconds(time_ms), headers=None)
+        self.acks.put_nowait((ack, time_ms, name, record, raw))  # in send order = journal order
+
+    async def run(self) -> None:
+        journal = journal_topic.get_topic_name()
+        while True:
+            ack, time_ms, name, record, raw = await self.acks.get()
+            try:
+                offset = (await ack).offset
+            except Exception as exc:  # not known to be in the journal: the router agent decides
+                app.log.warning("journal append not acknowledged (%s); left to the router agent", exc)
+                continue
+            async with apply_lock:
+                if not loaded or offset != router.offset + 1 or \
+                        TopicPartition(journal, 0) not in app.consumer.assignment():
+                    continue
+                try:
+                    await apply_and_publish(offset, time_ms, name, record, DOMAIN_KEY, raw)
+                except Exception as exc:  # must not stop the worker (a task's error would)
+                    app.log.exception("sequencer failed on journal offset %s", offset)
+                    CORE_ERRORS.labels(f"sequencer_{type(exc).__name__}").inc()
+                    continue
+                APPLIED_ON_ACK.inc()
+
+
+sequencer = Sequencer()
+
+
+@app.task
+async def run_sequencer() -> None:
+    await sequencer.run()
+
+
 @app.agent(journal_topic, name="router")
 async def route(stream) -> None:
-    global router
-    loaded = False
+    global router, loaded
     async for event in stream.events():
         message, value = event.message, event.value
         offset = message.offset
-        if not loaded:  # first entry after (re)start: state from the tables, lost outputs re-sent
-            loaded = True
-            if router.offset < 0:
-                router, outbox = store.load()
-                app.log.info("router: state loaded at journal offset %s; first entry %s", router.offset, offset)
-                for o, messages in outbox:
-                    if offset <= o <= router.offset:
-                        for topic, key, data in messages:
-                            await send_raw(topic, key, data)
-                        RESENT.inc()
-        if offset <= router.offset:  # redelivered: already applied
-            continue
-        if offset > router.offset + 1:
-            app.log.info("router: catching up journal offsets %s..%s", router.offset + 1, offset - 1)
-            await catch_up(router, offset)
-            app.log.info("router: caught up")
-        if value is None or isinstance(value, Undecodable):  # only this app writes the journal
-            JOURNAL_APPLIED.labels("undecodable").inc()
-            router.offset = offset
-            continue
-        entry_ms = round(message.timestamp * 1000)
-        try:
-            outputs = apply_entry(offset, entry_ms, value.name, value.record)
-        except Exception as exc:  # a core bug must not stop the domain: count it, keep going
-            app.log.exception("core failed on journal offset %s", offset)
-            CORE_ERRORS.labels(type(exc).__name__).inc()
-            router.offset = offset
-            continue
-        messages = encode_outputs_safely(outputs, (offset, entry_ms, message.key, bytes(message.value)))
-        for topic, key, data in messages:
-            await send_raw(topic, key, data)
-        store.save(offset, messages)
-        observe(outputs, entry_ms, value.record if value.name == "RouteRequest" else None)
-        JOURNAL_APPLIED.labels(value.name).inc()
-        JOURNAL_LAG.set(max(0.0, time.time() - entry_ms / 1000))
-        for model in router.queues:
-            QUEUE_DEPTH.labels(model).set(len(router.queues[model]))
+        async with apply_lock:
+            if not loaded:  # first entry after (re)start: state from the tables, lost outputs re-sent
+                loaded = True
+                if router.offset < 0:
+                    router, outbox, replies = store.load()
+                    for k, v in replies.items():
+                        _, rid, attempt = k.split(SEP)
+                        reply_topics.by_request[(rid, int(attempt))] = v
+                    app.log.info("router: state loaded at journal offset %s; first entry %s", router.offset, offset)
+                    for o, messages in outbox:
+                        if offset <= o <= router.offset:
+                            for topic, key, data in messages:
+                                await send_raw(topic, key, data)
+                            RESENT.inc()
+            if offset <= router.offset:  # redelivered, or applied on its acknowledgement
+                continue
+            if offset > router.offset + 1:
+                app.log.info("router: catching up journal offsets %s..%s", router.offset + 1, offset - 1)
+                await catch_up(router, offset)
+                app.log.info("router: caught up")
+            decoded = value is not None and not isinstance(value, Undecodable)
+            await apply_and_publish(offset, round(message.timestamp * 1000),
+                                    value.name if decoded else None, value.record if decoded else None,
+                                    message.key, bytes(message.value or b""))

@@ -32,7 +32,8 @@ from replay.run import decisions as replay_decisions, replay
 from replay.sources import kafka_decisions, kafka_journal
 from streams import codec
 from streams.client import ensure_topics
-from streams.persistence import SEP, restore, snapshot
+from streams.core_store import CoreStore
+from streams.persistence import snapshot
 from streams.router import Router
 from streams.worker_process import Worker
 from tests.integration.kafka_io import read_topic
@@ -426,8 +427,8 @@ def replayed_router(entries: list, upto: int | None = None) -> Router:
 
 
 def live_router(bootstrap: str, app_id: str) -> Router:
-    """The worker's core state as its table changelog holds it (last value per key, the write-ahead
-    delta re-applied: what `CoreStore.load` does on a takeover)."""
+    """The worker's core state as its table changelog holds it (last value per key, the deltas after
+    the checkpoint re-applied: what `CoreStore.load` does on a takeover)."""
     items = {}
     for rec in read_topic(bootstrap, f"{app_id}-core-changelog", 60_000):
         k = json.loads(rec.key)
@@ -435,14 +436,7 @@ def live_router(bootstrap: str, app_id: str) -> Router:
             items.pop(k, None)
         else:
             items[k] = json.loads(rec.value)
-    delta = items.pop("delta", None)
-    if delta is not None:
-        for k, v in delta["changes"].items():
-            if v is None:
-                items.pop(k, None)
-            else:
-                items[k] = v
-    return restore((k, v) for k, v in items.items() if not k.startswith(("out" + SEP, "reply" + SEP)))
+    return CoreStore(items).load()[0]
 
 
 def same_state(a: Router, b: Router) -> list[str]:

@@ -1,12 +1,12 @@
 """The crash the kill -9 test hits by chance, made deterministic: the active router dies after the
-write-ahead `delta` of journal entry o reached the table's changelog but before the keys that follow
-it did (docs/exactly-once.md, "the checkpoint order").
+delta of journal entry o reached the table's changelog but before anything else did — the keys
+are only written at the next checkpoint (streams/core_store.py, docs/exactly-once.md).
 
-The next router loads the table and re-applies the delta, so entry o is complete in memory. It must
-be complete in the table too: the next entry's delta replaces this one, and a key of entry o missing
-from the changelog would stay missing for every later takeover. Here entry o is a RouteRequest, so
-the key is its request-dedup key: a worker that loads the table later must still refuse a duplicate
-of that request — otherwise the request is decided twice and a second reservation is made.
+The next router loads the table and re-applies the delta, so entry o is complete in memory; the
+delta stays in the table until a checkpoint has written its keys, so entry o is still complete for
+every later takeover. Here entry o is a RouteRequest, so the key that matters is its request-dedup
+key: a worker that loads the table later must still refuse a duplicate of that request — otherwise
+the request is decided twice and a second reservation is made.
 
     pytest -m slow tests/faults/test_half_written_entry.py
 """
@@ -24,6 +24,7 @@ from aiokafka import AIOKafkaProducer
 from replay.run import replay
 from replay.sources import kafka_decisions
 from streams import codec
+from streams.core_store import DELTA, KEEP
 from streams.persistence import export
 from streams.persistence import key as pkey
 from streams.router import Router
@@ -88,7 +89,7 @@ def test_a_half_written_entry_is_completed_in_the_table(kafka_bootstrap, tmp_pat
                  for k, r in outputs if k == "Reservation"]
     delta = {"o": entry.journal_offset, "changes": changes,
              "outputs": [(t, base64.b64encode(k).decode(), base64.b64encode(v).decode()) for t, k, v in messages]}
-    asyncio.run(_send(bootstrap, f"{app_id}-core-changelog", json.dumps("delta").encode(),
+    asyncio.run(_send(bootstrap, f"{app_id}-core-changelog", json.dumps(f"{DELTA}{entry.journal_offset % KEEP}").encode(),
                       json.dumps(delta).encode()))
 
     # The takeover: a worker with an empty data dir recovers the table from the changelog, loads
@@ -98,7 +99,7 @@ def test_a_half_written_entry_is_completed_in_the_table(kafka_bootstrap, tmp_pat
     try:
         wait_for(lambda: any(d["request_id"] == rid for d in kafka_decisions(bootstrap, prefix + "switchyard.decisions")),
                  timeout=60, what="the half-written entry's decision re-sent from the delta")
-        time.sleep(4)  # a few ticks: the delta of entry o is replaced by newer ones
+        time.sleep(4)  # a few ticks: newer deltas follow entry o's
     finally:
         second.stop()
 

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from streams import codec
+from streams.core_store import CoreStore
 
 
 async def produce(bootstrap: str, topic: str, messages: list[tuple[bytes | None, bytes]]) -> None:
@@ -76,3 +78,21 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.5, what: str 
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
+
+
+def core_table(records) -> dict:
+    """The worker's core table as its changelog records leave it: the last value per key, with the
+    deltas after the last checkpoint re-applied (streams/core_store.py)."""
+    items = {}
+    for rec in records:
+        k = json.loads(rec.key)
+        if rec.value is None:
+            items.pop(k, None)
+        else:
+            items[k] = json.loads(rec.value)
+    return CoreStore(items).current()[0]
+
+
+def provider_rows(records) -> dict:
+    """Provider sessions in the core table (key `p<SEP><provider id>`)."""
+    return {k[2:]: v for k, v in core_table(records).items() if k.startswith("p\x1f")}

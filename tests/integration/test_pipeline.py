@@ -72,6 +72,7 @@ def test_live_decisions_equal_a_replay_of_the_journal(pipeline):
     assert report.ok, report.summary()
     assert report.compared == len(got)
     assert worker.metric("switchyard_decisions_total", 'outcome="routed",reason=""') == len(routed)
+    assert worker.metric("switchyard_journal_entries_applied_on_ack_total") > 0  # the sequencer's path
 
 
 def test_a_worker_restart_mid_stream_loses_and_repeats_nothing(pipeline):

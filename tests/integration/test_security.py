@@ -6,7 +6,6 @@ ACLs of `streams.kafka_security.switchyard_acls()`); the web-server test uses th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import urllib.error
 import urllib.request
@@ -21,7 +20,7 @@ from aiokafka.errors import KafkaConnectionError, TopicAuthorizationFailedError
 from streams import codec
 from streams.broker import LocalKafka
 from streams.kafka_security import KafkaSecurity, KafkaSecurityError, switchyard_acls
-from tests.integration.kafka_io import produce_events, read_topic, wait_for
+from tests.integration.kafka_io import produce_events, provider_rows, read_topic, wait_for
 from tests.integration.test_worker import registration
 from tests.integration.worker import ROOT, Worker
 
@@ -220,12 +219,7 @@ def test_the_controller_port_refuses_clients_without_the_admin_password(secure_k
 
 # --- the worker with credentials ------------------------------------------------------------------
 def table_rows(kafka: LocalKafka, app_id: str) -> dict:
-    rows = {}
-    for rec in read_all(kafka, kafka.client_security(), f"{app_id}-core-changelog"):
-        key = json.loads(rec.key)
-        if key.startswith("p\x1f"):  # provider sessions in the core table
-            rows[key[2:]] = json.loads(rec.value) if rec.value else None
-    return rows
+    return provider_rows(read_all(kafka, kafka.client_security(), f"{app_id}-core-changelog"))
 
 
 @pytest.mark.skipif(not SERVICE_USES_SECURITY,
@@ -300,8 +294,7 @@ def test_web_server_listens_on_loopback_and_serves_no_table_contents(kafka_boots
         assert _listening_addresses(worker.web_port) == {"127.0.0.1"}
         produce_events(kafka_bootstrap, prefix + "switchyard.providers",
                        [(pid, "ProviderRegistered", registration(pid))])
-        wait_for(lambda: any(json.loads(r.key) == f"p\x1f{pid}"
-                             for r in read_topic(kafka_bootstrap, f"{app_id}-core-changelog")),
+        wait_for(lambda: pid in provider_rows(read_topic(kafka_bootstrap, f"{app_id}-core-changelog")),
                  what="the provider in the table")
         base = f"http://127.0.0.1:{worker.web_port}"
         assert _get(base + "/metrics")[0] == 200

@@ -1,13 +1,12 @@
 """The Faust worker on a real broker: ingest → journal → provider table, dead-letters, restart."""
 from __future__ import annotations
 
-import json
 import uuid
 
 import pytest
 
 from streams import codec
-from tests.integration.kafka_io import journal_types, produce, produce_events, read_topic, wait_for
+from tests.integration.kafka_io import journal_types, produce, produce_events, provider_rows, read_topic, wait_for
 from tests.integration.worker import Worker
 
 pytestmark = [pytest.mark.kafka, pytest.mark.timeout(300)]
@@ -29,13 +28,8 @@ def heartbeat(pid: str, seq: int) -> dict:
 
 
 def table_rows(bootstrap: str, app_id: str) -> dict:
-    """Provider sessions in the core table, as its changelog topic holds them: last value per key."""
-    rows = {}
-    for rec in read_topic(bootstrap, f"{app_id}-core-changelog"):
-        key = json.loads(rec.key)
-        if key.startswith("p\x1f"):
-            rows[key[2:]] = json.loads(rec.value) if rec.value else None
-    return rows
+    """Provider sessions in the core table, as its changelog topic holds them."""
+    return provider_rows(read_topic(bootstrap, f"{app_id}-core-changelog"))
 
 
 @pytest.fixture

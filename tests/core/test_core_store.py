@@ -1,0 +1,113 @@
+"""The worker's state store (streams/core_store.py): one write per entry plus periodic checkpoints,
+and a crash after any write still loads the state of the last entry whose delta was written."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from streams import core_store
+from streams.core_store import CoreStore
+from streams.persistence import snapshot
+from streams.router import Router
+from tests.core.test_fast_path import journal
+from tests.core.test_persistence import entries
+
+
+class RecordingTable(dict):
+    """A dict that logs every write, as the changelog would carry them (JSON values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log: list[tuple[str, object]] = []
+
+    def __setitem__(self, k, v):
+        v = json.loads(json.dumps(v))
+        self.log.append((k, v))
+        super().__setitem__(k, v)
+
+    def __delitem__(self, k):
+        self.log.append((k, None))
+        super().__delitem__(k)
+
+
+def replayed(log: list, upto: int) -> dict:
+    """The table as the first `upto` writes of its changelog leave it."""
+    table = {}
+    for k, v in log[:upto]:
+        if v is None:
+            table.pop(k, None)
+        else:
+            table[k] = v
+    return table
+
+
+def state(router: Router) -> dict:
+    return json.loads(json.dumps(snapshot(router)))
+
+
+@pytest.fixture
+def small_windows(monkeypatch):
+    monkeypatch.setattr(core_store, "FLUSH_EVERY", 4)
+    monkeypatch.setattr(core_store, "KEEP", 9)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(5, 40))
+def test_a_crash_after_any_write_loads_the_last_entry_whose_delta_was_written(small_windows, seed, steps):
+    items = list(entries(journal(seed, 4, steps)))
+    router, table = Router(), RecordingTable()
+    store = CoreStore(table)
+    states, outputs = {}, {}        # after each entry: its state; its (fake) output messages
+    delta_at = {}                   # log index of each entry's delta write
+    for offset, kind, record in items:
+        router.apply(offset, None, kind, dict(record))
+        messages = [("decisions", b"k%d" % offset, b"v%d" % offset)] if offset % 3 == 0 else []
+        store.save(router, offset, messages, {f"reply\x1fr{offset}\x1f0": "replies"} if offset % 5 == 0 else None)
+        delta_at[offset] = next(i for i in range(len(table.log) - 1, -1, -1) if table.log[i][0].startswith("d\x1f"))
+        states[offset], outputs[offset] = state(router), messages
+    for cut in range(1, len(table.log) + 1):
+        done = [o for o, i in delta_at.items() if i < cut]
+        loaded, outbox, extra = CoreStore(replayed(table.log, cut)).load()
+        assert state(loaded) == states[max(done)] if done else loaded.offset == -1
+        # every written entry with outputs, unless a later entry reused its slot
+        keep = core_store.KEEP
+        assert [o for o, _ in outbox] == [o for o in done if outputs[o] and
+                                          not any(n > o and n % keep == o % keep for n in done)]
+        for o, messages in outbox:
+            assert messages == outputs[o]
+        assert set(extra) == {f"reply\x1fr{o}\x1f0" for o in done if o % 5 == 0}
+
+
+def test_an_entry_costs_one_write_and_checkpoints_merge_the_keys(small_windows):
+    items = list(entries(journal(3, 6, 60)))
+    router, table = Router(), RecordingTable()
+    store = CoreStore(table)
+    changed = 0
+    for offset, kind, record in items:
+        router.apply(offset, None, kind, dict(record))
+        changed += len(router.dirty)
+        before = len(table.log)
+        store.save(router, offset, [])
+        writes = len(table.log) - before
+        assert writes == 1 or table.log[-1][0] == "ckpt"
+    assert len(table.log) < len(items) + changed  # one write per changed key would be at least that
+
+
+def test_a_loaded_store_continues_where_the_original_stopped(small_windows):
+    items = list(entries(journal(11, 5, 50)))
+    original, table = Router(), RecordingTable()
+    store = CoreStore(table)
+    cut = len(items) // 2
+    for offset, kind, record in items[:cut]:
+        original.apply(offset, None, kind, dict(record))
+        store.save(original, offset, [])
+    store2 = CoreStore(table)
+    resumed, _, _ = store2.load()
+    for offset, kind, record in items[cut:]:
+        assert resumed.apply(offset, None, kind, dict(record)) == original.apply(offset, None, kind, dict(record))
+        store2.save(resumed, offset, [])
+        original.take_dirty()
+    assert state(CoreStore(dict(table)).load()[0]) == state(original)

@@ -47,32 +47,30 @@ class CoreStore:
         self.pending: dict[str, Any] = {}   # changes since the last checkpoint
         self.since_checkpoint = 0
 
-    def current(self) -> tuple[dict[str, Any], list[dict]]:
-        """Every key as of the last delta written (the checkpointed keys with the later deltas
-        re-applied), and the deltas in offset order."""
+    def _read(self) -> tuple[dict[str, Any], list[dict], dict[str, Any], int]:
+        """(every key as of the last delta written, the deltas in offset order, the changes of the
+        deltas after the checkpoint, how many those are)."""
         items = dict(self.table.items())
         checkpoint = items.pop(CHECKPOINT, -1)
         deltas = sorted((items.pop(k) for k in [k for k in items if k.startswith(DELTA)]), key=lambda d: d["o"])
-        for delta in deltas:
-            if delta["o"] > checkpoint:  # not yet in the keys
-                for k, v in delta["changes"].items():
-                    if v is None:
-                        items.pop(k, None)
-                    else:
-                        items[k] = v
-        return items, deltas
+        after = [d for d in deltas if d["o"] > checkpoint]  # not yet in the keys
+        pending = {k: v for d in after for k, v in d["changes"].items()}
+        for k, v in pending.items():
+            if v is None:
+                items.pop(k, None)
+            else:
+                items[k] = v
+        return items, deltas, pending, len(after)
+
+    def current(self) -> dict[str, Any]:
+        """Every key as of the last delta written (the checkpointed keys, later deltas re-applied)."""
+        return self._read()[0]
 
     def load(self):
         """(router, outbox, extra): the router as stored; the outbox as (offset, messages) in offset
         order; the adapter's own keys (not the core's) as {key: value}. The changes of the deltas
         after the checkpoint stay pending for the next checkpoint."""
-        items, deltas = self.current()
-        checkpoint = self.table.get(CHECKPOINT, -1)
-        self.pending, self.since_checkpoint = {}, 0
-        for delta in deltas:
-            if delta["o"] > checkpoint:
-                self.pending.update(delta["changes"])
-                self.since_checkpoint += 1
+        items, deltas, self.pending, self.since_checkpoint = self._read()
         state = [(k, v) for k, v in items.items() if not k.startswith("reply" + SEP)]
         extra = {k: v for k, v in items.items() if k.startswith("reply" + SEP)}
         outbox = [(d["o"], _decode(d["outputs"])) for d in deltas if d["outputs"]]

@@ -36,7 +36,7 @@ from streams.core_store import CoreStore
 from streams.persistence import snapshot
 from streams.router import Router
 from streams.worker_process import Worker
-from tests.integration.kafka_io import read_topic
+from tests.integration.kafka_io import changelog_items, read_topic
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT_DIR = ROOT / "out" / "faults"
@@ -427,16 +427,9 @@ def replayed_router(entries: list, upto: int | None = None) -> Router:
 
 
 def live_router(bootstrap: str, app_id: str) -> Router:
-    """The worker's core state as its table changelog holds it (last value per key, the deltas after
-    the checkpoint re-applied: what `CoreStore.load` does on a takeover)."""
-    items = {}
-    for rec in read_topic(bootstrap, f"{app_id}-core-changelog", 60_000):
-        k = json.loads(rec.key)
-        if rec.value is None:
-            items.pop(k, None)
-        else:
-            items[k] = json.loads(rec.value)
-    return CoreStore(items).load()[0]
+    """The worker's core state as its table changelog holds it (the deltas after the checkpoint
+    re-applied: what `CoreStore.load` does on a takeover)."""
+    return CoreStore(changelog_items(read_topic(bootstrap, f"{app_id}-core-changelog", 60_000))).load()[0]
 
 
 def same_state(a: Router, b: Router) -> list[str]:

@@ -80,9 +80,8 @@ def wait_for(predicate, timeout: float = 60.0, interval: float = 0.5, what: str 
     raise AssertionError(f"timed out waiting for {what}; last value: {last!r}")
 
 
-def core_table(records) -> dict:
-    """The worker's core table as its changelog records leave it: the last value per key, with the
-    deltas after the last checkpoint re-applied (streams/core_store.py)."""
+def changelog_items(records) -> dict:
+    """A table's changelog records as the table they leave: the last JSON value per key."""
     items = {}
     for rec in records:
         k = json.loads(rec.key)
@@ -90,7 +89,13 @@ def core_table(records) -> dict:
             items.pop(k, None)
         else:
             items[k] = json.loads(rec.value)
-    return CoreStore(items).current()[0]
+    return items
+
+
+def core_table(records) -> dict:
+    """The worker's core table as its changelog records leave it, with the deltas after the last
+    checkpoint re-applied (streams/core_store.py)."""
+    return CoreStore(changelog_items(records)).current()
 
 
 def provider_rows(records) -> dict:

@@ -19,7 +19,7 @@ MAX_PREDICTIONS = 8192
 
 
 class TtftCalibrator:
-    __slots__ = ("by_family", "by_model", "predictions", "observations", "seq", "_next", "dirty")
+    __slots__ = ("by_family", "by_model", "predictions", "observations", "seq", "dirty")
 
     def __init__(self):
         self.by_family: dict[tuple[str, str, str], SampleRing] = {}
@@ -27,8 +27,9 @@ class TtftCalibrator:
         # (request_id, attempt) -> (model, family, source, raw_ms, at_ms); insertion = time order
         self.predictions: OrderedDict[tuple[str, int], tuple[str, str, str, float, float]] = OrderedDict()
         self.observations = 0
-        self.seq: dict[tuple[str, int], int] = {}   # insertion order of predictions, for restore
-        self._next = 0
+        # insertion order of predictions, for restore: the router's persisted sequence number, so a
+        # restored router numbers new predictions exactly as one that never stopped
+        self.seq: dict[tuple[str, int], int] = {}
         self.dirty: set[tuple] = set()  # ("cw", model, family, source) / ("cm", ...) / ("cp", rid, attempt)
 
     def ratio(self, model: str, family: str, source: str) -> float:
@@ -48,11 +49,10 @@ class TtftCalibrator:
         return raw
 
     def note_prediction(self, key: tuple[str, int], model: str, family: str, source: str,
-                        raw: float, now: float) -> None:
+                        raw: float, now: float, seq: int) -> None:
         self.forget(key)
         self.predictions[key] = (model, family, source, raw, now)
-        self.seq[key] = self._next
-        self._next += 1
+        self.seq[key] = seq
         self.dirty.add(("cp", *key))
         while len(self.predictions) > MAX_PREDICTIONS:
             self.forget(next(iter(self.predictions)))

@@ -157,7 +157,6 @@ def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
     for seq, k, note in sorted(predictions):
         router.calibrator.predictions[k] = note
         router.calibrator.seq[k] = seq
-    router.calibrator._next = max((s for s, _, _ in predictions), default=-1) + 1
     router.calibrator.observations = meta["counters"].get("calibrator_observations", 0)
     for seq, k, hit in sorted(affinity):
         router.affinity[k] = hit

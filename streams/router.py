@@ -771,7 +771,7 @@ class Router:
         self.serves.record(p.provider_id, self.now)
         if winner.penalty == 0 and not req.requires_vision and winner.raw_ttft > 0:
             self.calibrator.note_prediction(req.key, req.model, p.family, winner.prefill_source,
-                                            winner.raw_ttft, self.now)
+                                            winner.raw_ttft, self.now, self._next_seq())
         if req.consumer_key and req.affinity_key:
             pin = (req.consumer_key, req.model, req.affinity_key)
             self.affinity.pop(pin, None)

@@ -864,7 +864,7 @@ def test_no_prediction_for_a_cold_reservation():
 def test_calibrator_keeps_at_most_8192_predictions_oldest_dropped():
     cal = TtftCalibrator()
     for i in range(8_193):
-        cal.note_prediction((f"r{i}", 0), GPT_OSS, "M3", "static", 1_000, 0)
+        cal.note_prediction((f"r{i}", 0), GPT_OSS, "M3", "static", 1_000, 0, i)
     assert len(cal.predictions) == 8_192
     assert not cal.observe(("r0", 0), 500, 1)
     assert cal.observe(("r8192", 0), 500, 1)
@@ -873,7 +873,7 @@ def test_calibrator_keeps_at_most_8192_predictions_oldest_dropped():
 def test_even_calibration_window_median_is_the_mean_of_the_middle_two():
     cal = TtftCalibrator()
     for i, r in enumerate([0.4] * 25 + [0.6] * 25):
-        cal.note_prediction((f"r{i}", 0), GPT_OSS, "M3", "static", 1_000, 0)
+        cal.note_prediction((f"r{i}", 0), GPT_OSS, "M3", "static", 1_000, 0, i)
         cal.observe((f"r{i}", 0), 1_000 * r, 1)
     assert cal.ratio(GPT_OSS, "M3", "static") == pytest.approx(0.5)
 

@@ -845,7 +845,7 @@ def test_D10_shared_median_converges_across_boxes():
 def train(cal: TtftCalibrator, ratios, model=GPT_OSS, family="M3", source="static", start=0):
     for i, r in enumerate(ratios):
         key = (f"t{start + i}", 0)
-        cal.note_prediction(key, model, family, source, 1_000.0, 0)
+        cal.note_prediction(key, model, family, source, 1_000.0, 0, start + i)
         assert cal.observe(key, 1_000.0 * r, 1)
 
 

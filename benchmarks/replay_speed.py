@@ -16,6 +16,7 @@ import json
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from fastavro import parse_schema, reader, writer
@@ -25,6 +26,9 @@ from streams.jsonl import read_journal
 from streams.router import Router
 
 DAY_ENTRIES = 12_000_000
+# The journal entry's event is a union of records: its branch name tells the type. Nested optional
+# records (["null", Record]) must come back as plain dicts, as the core reads them.
+READ = {"return_record_name": True, "return_record_name_override": True}
 
 
 def to_avro(jsonl: Path, out: Path) -> int:
@@ -43,20 +47,34 @@ def to_avro(jsonl: Path, out: Path) -> int:
 def bare_decode(path: Path) -> tuple[int, float]:
     t0 = time.perf_counter()
     with path.open("rb") as fp:
-        n = sum(1 for _ in reader(fp, return_record_name=True))
+        n = sum(1 for _ in reader(fp, **READ))
     return n, time.perf_counter() - t0
 
 
-def replay(path: Path) -> tuple[int, float]:
+def same_entries(avro: Path, jsonl: Path) -> bool:
+    """The container decodes to exactly the JSON Lines journal (else the timing replays another one)."""
+    with avro.open("rb") as fp:
+        for row, e in zip(reader(fp, **READ), read_journal(jsonl), strict=True):
+            name, record = row["event"]
+            if (row["journal_offset"], row["journal_time_ms"], name, record) != \
+                    (e.journal_offset, e.journal_time_ms, f"switchyard.{e.type}", e.record):
+                return False
+    return True
+
+
+def replay(path: Path) -> tuple[int, float, Counter]:
     router = Router()
+    outcomes: Counter = Counter()
     t0 = time.perf_counter()
     with path.open("rb") as fp:
         n = 0
-        for row in reader(fp, return_record_name=True):
+        for row in reader(fp, **READ):
             name, record = row["event"]
-            router.apply(row["journal_offset"], row["journal_time_ms"], name.rsplit(".", 1)[-1], record)
+            for kind, out in router.apply(row["journal_offset"], row["journal_time_ms"], name.rsplit(".", 1)[-1], record):
+                if kind == "RouteDecision":
+                    outcomes[out["reason"] or out["outcome"]] += 1
             n += 1
-    return n, time.perf_counter() - t0
+    return n, time.perf_counter() - t0, outcomes
 
 
 def main() -> None:
@@ -77,14 +95,18 @@ def main() -> None:
     avro = jsonl.with_suffix(".avro")
     if not avro.exists():
         to_avro(jsonl, avro)
+    if not same_entries(avro, jsonl):
+        sys.exit(f"{avro} does not decode to {jsonl}")
     n, bare = bare_decode(avro)
-    _, core = replay(avro)
+    _, core, outcomes = replay(avro)
     result = {"entries": n, "bare_decode_per_s": n / bare, "replay_per_s": n / core,
               "ratio": (n / core) / (n / bare), "day_minutes_extrapolated": DAY_ENTRIES / (n / core) / 60,
-              "providers": args.providers, "rate": args.rate, "hours": args.hours}
+              "providers": args.providers, "rate": args.rate, "hours": args.hours,
+              "decisions": dict(outcomes.most_common())}
     print(f"{n} entries: bare fastavro decode {result['bare_decode_per_s']:,.0f}/s, "
           f"replay {result['replay_per_s']:,.0f}/s ({result['ratio']:.2f}× the bare decode rate); "
           f"a {DAY_ENTRIES / 1e6:.0f} M-entry day would take {result['day_minutes_extrapolated']:.0f} min")
+    print("decisions by outcome or reason:", dict(outcomes.most_common()))
     (work / "result.json").write_text(json.dumps(result, indent=2))
 
 

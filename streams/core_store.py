@@ -4,8 +4,10 @@ worker, the fault tests and unit tests share it.
 
 Layout:
 - the state keys of `streams.persistence` (`meta`, `p<SEP>…`, `r<SEP>…`, …) and the adapter's own
-  keys (`reply<SEP>…`), each as of the last checkpoint;
-- `ckpt`: the journal offset up to which those keys are complete;
+  keys (`reply<SEP>…`), each as of the last checkpoint that wrote it: {"o": that checkpoint's
+  offset, "v": the value, or None for a deleted key (a marker, not a tombstone, so it has an offset
+  too; markers older than KEEP entries are removed)};
+- `ckpt`: the journal offset of the last checkpoint;
 - `d<SEP><slot>`: the delta of one applied entry {o: offset, changes: {key: value | None},
   outputs: [[topic, key b64, value b64], …]}, in slot `o % KEEP`, so the last KEEP entries are kept
   without deleting anything.
@@ -14,11 +16,18 @@ After each entry: one write, its delta. Every FLUSH_EVERY entries: the keys thos
 (merged, so a key changed many times is written once), then `ckpt`. That is about 2–3 writes per
 entry instead of one per changed key plus a write-ahead record and an outbox record.
 
-All writes go to one changelog partition in this order, so after a crash the table holds a prefix:
-`load` re-applies every delta after `ckpt` (full values, so re-applying is idempotent) and keeps
-their changes pending for the next flush. The deltas double as the outbox: Faust commits a journal
-offset only after the producer flushed, so outputs of entries at or after the committed offset may
-be lost with the process; on load they are re-sent from their deltas (identical bytes).
+Loading takes, for every key, the newest of its checkpointed value and the deltas that changed it
+(a delta is newer when its offset is above the key's "o"); deltas are full values, so re-applying
+them is idempotent, and their changes stay pending for the next checkpoint. So after a crash, when
+the table holds a prefix of the writes, the state is that of the last delta written. It also
+undoes a stale write that lands late: a worker frozen with writes still buffered (SIGSTOP, a VM
+pause) sends them when it wakes, after the new owner's, and the table keeps the last write of each
+key; the deltas newer than the stale value's offset restore the key (docs/reliability.md, bug 8),
+as long as the stale write is less than KEEP entries old.
+
+The deltas double as the outbox: Faust commits a journal offset only after the producer flushed,
+so outputs of entries at or after the committed offset may be lost with the process; on load they
+are re-sent from their deltas (identical bytes).
 """
 from __future__ import annotations
 
@@ -46,31 +55,36 @@ class CoreStore:
         self.table = table
         self.pending: dict[str, Any] = {}   # changes since the last checkpoint
         self.since_checkpoint = 0
+        self.markers: dict[str, int] = {}   # deleted key -> offset of the checkpoint that marked it
 
-    def _read(self) -> tuple[dict[str, Any], list[dict], dict[str, Any], int]:
-        """(every key as of the last delta written, the deltas in offset order, the changes of the
-        deltas after the checkpoint, how many those are)."""
+    def _read(self) -> tuple[dict[str, Any], list[dict], dict[str, Any], int, dict[str, int]]:
+        """(every key as of the last delta written, the deltas in offset order, the changes newer
+        than the checkpointed keys, how many deltas follow the checkpoint, the deletion markers)."""
         items = dict(self.table.items())
         checkpoint = items.pop(CHECKPOINT, -1)
         deltas = sorted((items.pop(k) for k in [k for k in items if k.startswith(DELTA)]), key=lambda d: d["o"])
-        after = [d for d in deltas if d["o"] > checkpoint]  # not yet in the keys
-        pending = {k: v for d in after for k, v in d["changes"].items()}
-        for k, v in pending.items():
-            if v is None:
-                items.pop(k, None)
-            else:
-                items[k] = v
-        return items, deltas, pending, len(after)
+        version = {k: v["o"] for k, v in items.items()}
+        values = {k: v["v"] for k, v in items.items()}
+        pending: dict[str, Any] = {}
+        for d in deltas:
+            o = d["o"]
+            for k, v in d["changes"].items():
+                if o > version.get(k, -1):
+                    version[k] = o
+                    values[k] = pending[k] = v
+        markers = {k: v["o"] for k, v in items.items() if v["v"] is None}
+        current = {k: v for k, v in values.items() if v is not None}
+        return current, deltas, pending, sum(d["o"] > checkpoint for d in deltas), markers
 
     def current(self) -> dict[str, Any]:
-        """Every key as of the last delta written (the checkpointed keys, later deltas re-applied)."""
+        """Every key as of the last delta written (the checkpointed keys, newer deltas re-applied)."""
         return self._read()[0]
 
     def load(self):
         """(router, outbox, extra): the router as stored; the outbox as (offset, messages) in offset
-        order; the adapter's own keys (not the core's) as {key: value}. The changes of the deltas
-        after the checkpoint stay pending for the next checkpoint."""
-        items, deltas, self.pending, self.since_checkpoint = self._read()
+        order; the adapter's own keys (not the core's) as {key: value}. The changes newer than the
+        checkpointed keys stay pending for the next checkpoint."""
+        items, deltas, self.pending, self.since_checkpoint, self.markers = self._read()
         state = [(k, v) for k, v in items.items() if not k.startswith("reply" + SEP)]
         extra = {k: v for k, v in items.items() if k.startswith("reply" + SEP)}
         outbox = [(d["o"], _decode(d["outputs"])) for d in deltas if d["outputs"]]
@@ -90,10 +104,14 @@ class CoreStore:
 
     def checkpoint(self, offset: int) -> None:
         for k, v in self.pending.items():
+            self.table[k] = {"o": offset, "v": v}
             if v is None:
-                if k in self.table:
-                    del self.table[k]
+                self.markers[k] = offset
             else:
-                self.table[k] = v
+                self.markers.pop(k, None)
+        # A marker older than every kept delta can go: no delta left could resurrect its key.
+        for k in [k for k, o in self.markers.items() if o < offset - KEEP]:
+            self.table.pop(k, None)
+            del self.markers[k]
         self.table[CHECKPOINT] = offset
         self.pending, self.since_checkpoint = {}, 0

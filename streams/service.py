@@ -405,7 +405,7 @@ async def record_worker_config() -> None:
     """A worker whose settings differ from the last recorded ones appends a ConfigChange (rules §3):
     a full patch, so the recorded config becomes exactly this worker's."""
     await app.tables.recovery.completed.wait()
-    recorded = core_table.get("meta")
+    recorded = store.current().get("meta")
     if recorded is not None and recorded.get("settings") == dict(worker_config.raw):
         return
     patch = {name: "" for name in (recorded or {}).get("settings", {})}

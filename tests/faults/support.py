@@ -433,6 +433,7 @@ def live_router(bootstrap: str, app_id: str) -> Router:
 
 
 def same_state(a: Router, b: Router) -> list[str]:
-    """Keys whose values differ between two routers' snapshots (empty when equal)."""
+    """The keys whose values differ between two routers' snapshots, each with both values (empty
+    when equal)."""
     sa, sb = json.loads(json.dumps(snapshot(a))), json.loads(json.dumps(snapshot(b)))
-    return sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))
+    return [f"{k!r}: {sa.get(k)!r} != {sb.get(k)!r}" for k in sorted(set(sa) | set(sb)) if sa.get(k) != sb.get(k)]

@@ -142,7 +142,7 @@ class CpuMeter:
         out["driver_cpu_s"] = round(time.process_time() - self.self0, 2)
         m1 = machine_cpu()
         if m1 and self.m0:
-            busy, total = m1[0] - self.m0[0], m1[1] - self.m0[1]
+            busy = m1[0] - self.m0[0]
             out["machine_busy_cores"] = round(busy / wall, 2)
             ours = sum(v for k, v in out.items() if k.endswith("_cpu_s") and not k.endswith("_sys_cpu_s"))
             out["others_busy_cores"] = round(max(0.0, busy - ours) / wall, 2)

@@ -473,7 +473,7 @@ class FastPath:
     def _refresh(self, ix: ModelIndex) -> None:
         """Re-read ring medians / solo rates / calibrator ratios that moved since the last look."""
         r = self.router
-        c, rings, model = r.config, r.rings, ix.model
+        rings, model = r.rings, ix.model
         if ix.n == 0:
             return
         v = rings.decode.version(model)

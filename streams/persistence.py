@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 from .calibration import WINDOW
 from .config import Config
-from .provider import Backend, ModelEntry, Pending, Pool, ProviderState, Slot
+from .provider import Backend, ModelEntry, Pool, ProviderState, Slot
 from .rings import SampleRing
 
 SEP = "\x1f"

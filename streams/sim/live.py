@@ -339,7 +339,7 @@ class LiveRun:
             f"queue depth   router {sum(qd.values())} "
             f"({', '.join(f'{m} {v}' for m, v in sorted(qd.items())) or '-'})   "
             f"gateway waiting {self.awaiting_queue}   routing {self.awaiting_first}   serving {self.serving}",
-            f"completions   " + ("  ".join(f"{k} {v}" for k, v in sorted(st.completed.items())) or "-")
+            "completions   " + ("  ".join(f"{k} {v}" for k, v in sorted(st.completed.items())) or "-")
             + f"   TTFT p50 {fmt(percentile(st.ttft_ms, 50), 0)} ms p99 {fmt(percentile(st.ttft_ms, 99), 0)} ms "
               f"(model time)",
         ]

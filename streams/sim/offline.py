@@ -212,7 +212,7 @@ class Result:
             f"p99 {fmt(f['router_decide_us']['99'], 0)} µs (wall)",
             "outcomes      " + "  ".join(f"{k} {v:,} ({v / total_first:.0%})" if not k.startswith("queue→")
                                          else f"{k} {v:,}" for k, v in sorted(outcomes.items())),
-            f"completions   " + ("  ".join(f"{k} {v:,}" for k, v in sorted(self.completions.items())) or "-")
+            "completions   " + ("  ".join(f"{k} {v:,}" for k, v in sorted(self.completions.items())) or "-")
             + f"   lost on disconnect {self.lost_on_disconnect}, still queued {self.still_queued}, "
               f"in flight at end {self.in_flight_at_end}",
             f"TTFT          p50 {fmt(f['ttft_ms']['50'], 0)} ms  p90 {fmt(f['ttft_ms']['90'], 0)} ms  "

@@ -322,7 +322,7 @@ def test_duplicate_heartbeat_and_completion_event_ids_are_ignored():
     hb = heartbeat("box", 0, [slot(GPT_OSS, decode=50)], event_id="hb-dup")
     j.apply(hb, hb)
     assert j.router.rings.decode.stats(GPT_OSS, "M3")[1] == 1
-    d1, d2 = j.route("r1"), j.route("r2")
+    j.route("r1"), j.route("r2")
     done = completion("r1", "box", event_id="done-dup")
     j.apply(done, done)
     assert list(j.p("box").pending) == [("r2", 0)]

@@ -2,7 +2,6 @@
 the prefill fallback in enforce mode cuts ttft_too_slow on a long-prompt workload."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path

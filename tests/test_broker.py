@@ -56,6 +56,12 @@ def test_create_topic_with_three_partitions(kafka_bootstrap):
         await admin.start()
         try:
             await admin.create_topics([NewTopic(topic, num_partitions=3, replication_factor=1)])
+            # CreateTopics returns once the controller committed the topic; the broker's metadata
+            # cache, which list_topics reads, can lag behind it by a moment
+            for _ in range(50):
+                if topic in await admin.list_topics():
+                    break
+                await asyncio.sleep(0.1)
             assert topic in await admin.list_topics()
             [meta] = await admin.describe_topics([topic])
             assert meta["error_code"] == 0

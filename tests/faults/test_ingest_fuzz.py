@@ -26,7 +26,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from replay.run import replay
 from streams import codec
@@ -210,7 +211,9 @@ def generate(n: int, seed: int) -> list[Msg]:
 
 
 async def produce_all(bootstrap: str, prefix: str, messages: list[Msg]) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20,
+    # idempotent: a batch retried after a slow acknowledgement must not land twice (the test
+    # counts every message)
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=20, enable_idempotence=True,
                                 max_batch_size=1 << 20, max_request_size=4 << 20)
     await producer.start()
     try:
@@ -223,6 +226,26 @@ async def produce_all(bootstrap: str, prefix: str, messages: list[Msg]) -> None:
         await asyncio.gather(*pending)
     finally:
         await producer.stop()
+
+
+async def committed_to_end(bootstrap: str, group: str, topics: list[str]) -> bool:
+    """Whether the worker's consumer group has committed every input topic up to its end: Faust
+    commits an offset only once its message was processed and the producer flushed, so every
+    message is then in the journal or the dead-letter topic. Counting the worker's ingested and
+    dead-lettered events is not enough: the dead-letter counter also counts the core's refusals
+    (topic = the journal), so under load the sum reached the total while ingest still had a tail
+    to do, and the tests read the topics without it (three CI failures on 2026-12-03)."""
+    admin, consumer = AIOKafkaAdminClient(bootstrap_servers=bootstrap), AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await admin.start()
+    await consumer.start()
+    try:
+        committed = await admin.list_consumer_group_offsets(group)
+        tps = [TopicPartition(t, 0) for t in topics]  # the worker creates its input topics with one partition
+        end = await consumer.end_offsets(tps)
+        return all(tp in committed and committed[tp].offset >= end[tp] for tp in tps)
+    finally:
+        await consumer.stop()
+        await admin.close()
 
 
 @pytest.fixture(scope="module")
@@ -242,8 +265,10 @@ def fuzzed(kafka_bootstrap, tmp_path_factory):
         produced_s = time.monotonic() - t0
         seen = lambda: (metric_sum(worker, "switchyard_events_ingested_total")  # noqa: E731
                         + metric_sum(worker, "switchyard_events_dead_lettered_total"))
-        wait_for(lambda: not worker.running() or agent_crashes(worker) or seen() >= len(messages),
-                 timeout=900, interval=0.5, what=f"{len(messages)} messages through ingest")
+        inputs = [prefix + "switchyard." + t for t in INPUTS]
+        wait_for(lambda: not worker.running() or agent_crashes(worker) or
+                 (seen() >= len(messages) and asyncio.run(committed_to_end(kafka_bootstrap, app_id, inputs))),
+                 timeout=900, interval=1.0, what=f"{len(messages)} messages through ingest, offsets committed")
         assert worker.running(), f"the worker died under fuzz:\n{worker.tail()}"
         assert not agent_crashes(worker), f"an agent crashed under fuzz: {agent_crashes(worker)[:3]}"
         ingest_s = time.monotonic() - t0

@@ -16,7 +16,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
 # The fault tests (kill -9 of the router x20, broker restart, 100k-message fuzz, overload, ...):
-# ~13 min, skipped by `make test` (docs/reliability.md).
+# ~15 min, skipped by `make test` (docs/reliability.md).
 test-faults: $(STAMP)
 	$(PY) -m streams.broker fetch
 	$(PY) -m pytest -m slow tests/faults $(ARGS)

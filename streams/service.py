@@ -18,6 +18,7 @@ Environment (adapter settings, not routing settings):
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections import OrderedDict
@@ -29,11 +30,12 @@ import faust
 from faust.serializers import codecs
 from faust.web import Request as WebRequest, Response, View
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from . import codec, faust_consumer, faust_table
 from .config import Config
 from .kafka_security import KafkaSecurity
-from .core_store import CoreStore
+from .core_store import CoreStore, json_bytes
 from .persistence import SEP
 from .persistence import key as pkey
 from .router import Router
@@ -109,10 +111,10 @@ BOOTSTRAP = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
 TOPIC_PREFIX = os.environ.get("SWITCHYARD_TOPIC_PREFIX", "")
 
 
-def _topic(name: str, **kw):
+def _topic(name: str, value_serializer: str = "avro", **kw):
     # internal=True: the worker creates the topic at start if it is missing (one partition unless
     # told otherwise), so agents never subscribe to a topic that does not exist yet.
-    return app.topic(TOPIC_PREFIX + name, key_type=bytes, value_serializer="avro",
+    return app.topic(TOPIC_PREFIX + name, key_type=bytes, value_serializer=value_serializer,
                      key_serializer="raw", internal=True, **kw)
 
 
@@ -120,7 +122,9 @@ providers_topic = _topic("switchyard.providers")
 requests_topic = _topic("switchyard.requests")
 completions_topic = _topic("switchyard.completions")
 config_topic = _topic("switchyard.config")
-journal_topic = _topic("switchyard.journal", partitions=1)
+# Raw: the router agent skips most entries (the sequencer applied them when they were acknowledged)
+# and decodes only those it applies.
+journal_topic = _topic("switchyard.journal", value_serializer="raw", partitions=1)
 decisions_topic = _topic("switchyard.decisions")
 reservations_topic = _topic("switchyard.reservations")
 capacity_topic = _topic("switchyard.capacity")
@@ -136,7 +140,10 @@ faust_consumer.install(rewind=lambda tp: tp.topic in INPUTS or tp.topic == journ
 
 # The routing core's state, key by key (streams/persistence.py), checkpointed, with the deltas of
 # the last entries since (streams/core_store.py).
-core_table = app.Table("core", default=None, partitions=1, key_type=str, options=_rocksdb_options())
+# Values are JSON bytes that CoreStore encodes once: with Faust's own JSON serializer each write
+# was serialised twice, for RocksDB and for the changelog. The changelog still carries JSON.
+core_table = app.Table("core", default=None, partitions=1, key_type=str, value_type=bytes,
+                       options=_rocksdb_options())
 
 # --- metrics --------------------------------------------------------------------------------------
 registry = CollectorRegistry()
@@ -243,7 +250,18 @@ RESENT = Counter("switchyard_outputs_resent_total",
                  "Entries whose outputs were re-sent from the outbox after a restart", registry=registry)
 CORE_ERRORS = Counter("switchyard_core_errors_total", "Journal entries the core failed on (bugs)",
                       ["error"], registry=registry)
-QUEUE_DEPTH = Gauge("switchyard_queue_depth", "Requests waiting per model", ["model"], registry=registry)
+class QueueDepth:
+    """switchyard_queue_depth{model}, read from the router when /metrics is scraped (setting a
+    labelled gauge for every model after every entry cost more than the scrapes do)."""
+
+    def collect(self):
+        family = GaugeMetricFamily("switchyard_queue_depth", "Requests waiting per model", labels=["model"])
+        for model, queue in sorted(router.queues.items()):
+            family.add_metric([model], len(queue))
+        yield family
+
+
+registry.register(QueueDepth())
 
 
 async def send_raw(topic: str, key: bytes, value: bytes) -> None:
@@ -358,7 +376,7 @@ def reply_changes() -> dict:
     return changes
 
 
-store = CoreStore(core_table)
+store = CoreStore(core_table, encode=json_bytes, decode=json.loads)
 
 
 async def catch_up(router: Router, until: int) -> None:
@@ -466,8 +484,6 @@ async def apply_and_publish(offset: int, entry_ms: int, name: str | None, record
     observe(outputs, entry_ms, record if name == "RouteRequest" else None)
     JOURNAL_APPLIED.labels(name).inc()
     JOURNAL_LAG.set(max(0.0, time.time() - entry_ms / 1000))
-    for model in router.queues:
-        QUEUE_DEPTH.labels(model).set(len(router.queues[model]))
 
 
 class Sequencer:
@@ -544,7 +560,9 @@ async def route(stream) -> None:
                 app.log.info("router: catching up journal offsets %s..%s", router.offset + 1, offset - 1)
                 await catch_up(router, offset)
                 app.log.info("router: caught up")
-            decoded = value is not None and not isinstance(value, Undecodable)
-            await apply_and_publish(offset, round(message.timestamp * 1000),
-                                    value.name if decoded else None, value.record if decoded else None,
-                                    message.key, bytes(message.value or b""))
+            raw = bytes(value or b"")
+            try:
+                name, record = codec.decode(raw)
+            except codec.CodecError:
+                name, record = None, None
+            await apply_and_publish(offset, round(message.timestamp * 1000), name, record, message.key, raw)

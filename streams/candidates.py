@@ -488,7 +488,7 @@ class FastPath:
         if v != ix.seen_solo:
             ix.seen_solo = v
             self._refresh_cap(ix)
-        v = r.calibrator.observations
+        v = r.calibrator.model_versions.get(model, 0)
         if v != ix.seen_calib:
             ix.seen_calib = v
             self._refresh_ratio(ix)
@@ -632,78 +632,28 @@ class FastPath:
                 if i is not None:
                     keep[i] = False
             elig = elig & keep
-        # --- headroom, thermal, hardware fit, KV admission (domain §2.6–2.10) ---
-        head = np.where(Bc[B_HASMC], I[I_LOAD], npend) < I[I_CAP]
-        head &= npend < I[I_BOXMAX]
-        ph = elig & head
-        count = _count
-        n_cap = count(elig) - count(ph)
-        res.too_large = count(ph & Bc[B_TL])
-        kvs = ph & Bc[B_KVS]
+        # --- headroom, thermal, hardware fit, KV admission, TTFT, cost: compiled loops ---
         T = P + R
-        # per slot: T ≤ threshold; pooled: used + pending + T·rate ≤ total ⇔ T·rate ≤ free
-        # (T < 2^32 and rate ≤ 2^24, so T·rate cannot overflow int64)
-        ok = (T <= I[I_THR]) & (T * I[I_RATE] <= self.pool[g])
-        lm = Bc[B_LM]
-        if lm.any():
-            kv_gb = min(T, adm.MAX_KV_TOKENS) * adm.KV_DEFAULT_BYTES_PER_TOKEN / adm.GIB
-            with_load = F[F_LM_L] >= F[F_LM_B] + kv_gb
-            fresh = np.where(Bc[B_LMFFL], Bc[B_LMFFLOK], F[F_LM_SIZE] + kv_gb + 4 <= F[F_LM_TOTAL])
-            ok &= ~lm | np.where(Bc[B_LMUNL] & (npend == 0), fresh, with_load)
-        admitted = kvs & ok
+        kv_gb = min(T, adm.MAX_KV_TOKENS) * adm.KV_DEFAULT_BYTES_PER_TOKEN / adm.GIB
+        admitted, n_elig, n_ph, res.too_large, n_kvs = kernel.admission(F, I, Bc, elig, npend, self.pool[g], P, T, kv_gb)
         res.adm = admitted
-        n_adm = count(admitted)
-        res.capacity_rejections = n_cap + count(kvs) - n_adm
+        n_adm = _count(admitted)
+        res.capacity_rejections = n_elig - n_ph + n_kvs - n_adm
         if n_adm == 0:
             return res
-        # --- TTFT (domain §2.13) ---
-        has_bc = Bc[B_HASBC]
-        pft = F[F_PFT]
-        W = I[I_W]
-        if P > 0 and W.any():
-            raw = F[F_PEN] + P * W / pft * 1000 + P / pft * 1000 + F[F_D1]
-        else:
-            raw = F[F_PEN] + P / pft * 1000 + F[F_D1]
-        if np.isfinite(raw).all():  # then raw > 0 (1000 / eff > 0): only rows without capacity are 0
-            raw = np.where(has_bc, raw, 0.0)
-        else:
-            raw = np.where(has_bc & (raw > 0) & np.isfinite(raw), raw, 0.0)
-        if c.ttft_calibration and not ix.ratio_one:
-            ratio, pen = F[F_RATIO], F[F_PEN]
-            scaled = np.where((0 <= pen) & (pen < raw), pen + (raw - pen) * ratio, raw)
-            ttft = np.where((raw <= 0) | (ratio == 1.0), raw, scaled)
-        else:
-            ttft = raw
-        res.raw, res.ttft = raw, ttft
-        best_mask = admitted & has_bc & (ttft > 0)
-        i = int(np.where(best_mask, ttft, np.inf).argmin())
-        if best_mask[i]:
-            res.best_ttft, res.best_source = ttft[i].item(), SOURCES[I[I_SRC, i]]
-        if (admitted & Bc[B_NOBC]).any():
+        res.raw, res.ttft = kernel.ttft(F, I, Bc, P, c.ttft_calibration and not ix.ratio_one)
+        cand, res.ttft_rejections, i, no_bc = kernel.ttft_gate(Bc, admitted, res.ttft, float(req.max_ttft_ms))
+        if i >= 0:
+            res.best_ttft, res.best_source = res.ttft[i].item(), SOURCES[I[I_SRC, i]]
+        if no_bc:
             res.has_ttft = False
-        cand = admitted
-        if req.max_ttft_ms > 0:
-            rej = admitted & has_bc & (ttft > req.max_ttft_ms)
-            res.ttft_rejections = n_rej = count(rej)
-            if n_rej:
-                cand = admitted & ~rej
         n_cand = n_adm - res.ttft_rejections
         res.cand = cand
         res.candidates = range(n_cand)
         if n_cand == 0:
             return res
-        # --- cost (domain §2.11) ---
-        eff = F[F_EFF]
-        num = I[I_BLNUM]
-        wait = I[I_BLWAIT]
-        if wait.any():
-            wr = wait * R
-            pot = I[I_BLPOT]
-            num = np.where(wait > 0, pot + wr + np.maximum(0, I[I_BLPEND] - pot - wr), num)
-        this_req = P / F[F_SPF] * 1000 + R / eff * 1000
-        if c.long_prompt_tokens > 0 and P >= c.long_prompt_tokens:
-            this_req = this_req + (c.long_prompt_weight - 1) * (P / F[F_PF] * 1000 + F[F_CPEN])
-        cost = F[F_KQ] + est.PENDING_MS * npend + num / eff * 1000 + this_req + F[F_HEALTH]
+        long_prompt = c.long_prompt_tokens > 0 and P >= c.long_prompt_tokens
+        cost = kernel.cost(F, I, npend, P, R, long_prompt, float(c.long_prompt_weight - 1))
         aff = r._affinity_lookup(req)
         res.affinity_pid = aff
         if aff is not None:
@@ -773,3 +723,6 @@ class FastPath:
         if aff_row is not None and pool[aff_row] and abs(res.cost[aff_row].item() - best) <= NEAR_TIE_MS:
             return aff_row, "affinity", 0
         return winner, how, 0
+
+
+from . import scan_kernel as kernel  # noqa: E402  (it reads this module's column numbers)

@@ -39,6 +39,7 @@ from .core_store import CoreStore, json_bytes
 from .persistence import SEP
 from .persistence import key as pkey
 from .router import Router
+from .scan_kernel import warm_up as warm_up_scan_kernel
 
 DOMAIN_KEY = b"default"  # one routing domain: the journal's (and config topic's) constant key
 MAX_DEAD_LETTER_ORIGINAL = codec.MAX_MESSAGE_BYTES - 64 * 1024
@@ -223,6 +224,7 @@ for _topic_obj, _name in ((providers_topic, "ingest_providers"), (requests_topic
 
 
 # --- the router -----------------------------------------------------------------------------------
+warm_up_scan_kernel()  # before the worker starts: not on the first request's path
 router = Router()
 worker_config = Config.from_env(os.environ)  # recorded in the journal before it decides anything
 

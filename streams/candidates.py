@@ -701,20 +701,13 @@ class FastPath:
                 pos, how = r._band_choice(req, [ix.pids[i] for i in rows],
                                           F[F_HEALTH][rows].tolist(), aff)
                 return rows[pos], how, len(rows)
-        rows = np.flatnonzero(pool)
-        cost = res.cost[rows]
-        best = cost.min().item()
+        # winner = first near-tie with the lowest (effective queue, total pending) key. `equivalent`
+        # of domain §2.16 step 4 is exactly those rows: every near-tie cost lies in
+        # [best, best + 3000], so any two are within 3000 of each other (rounding is monotonic).
+        best, equivalent = kernel.cheapest(pool, res.cost, I, res.npend, NEAR_TIE_MS)
         if not math.isfinite(best):
             self.stats["declined_cost"] += 1
             return None
-        near_sel = np.abs(cost - best) <= NEAR_TIE_MS
-        near = rows[near_sel]
-        # winner = first near-tie with the lowest (effective queue, total pending); key packs both
-        key = (I[I_EQ][near] << 32) + res.npend[near]
-        same = key == key.min()
-        # `equivalent` of domain §2.16 step 4 is exactly `same`: every near-tie cost lies in
-        # [best, best + 3000], so any two are within 3000 of each other (rounding is monotonic).
-        equivalent = near[same]
         if len(equivalent) > 1:
             winner = int(equivalent[math.floor(draw(req.request_id, req.attempt, 0) * len(equivalent))])
             how = "near_tie_random"

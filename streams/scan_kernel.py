@@ -1,5 +1,5 @@
-"""The fast path's per-request candidate scan as one compiled loop (numba), from the gates to the
-cost: the same element-wise IEEE float64 arithmetic, in the same written order, as the numpy
+"""The fast path's per-request candidate scan as compiled loops (numba), from the gates to the
+cost and the cheapest rows: the same element-wise IEEE float64 arithmetic, in the same written order, as the numpy
 expressions it replaces (`FastPath._scan` keeps the filters before and the affinity bonus after).
 
 Why: a scan over a model's 700–900 rows took about 70 numpy calls, each a few microseconds of
@@ -17,7 +17,7 @@ from numba import njit
 from .candidates import (B_HASBC, B_HASMC, B_KVS, B_LM, B_LMFFL, B_LMFFLOK, B_LMUNL, B_NOBC, B_TL,
                          F_CPEN, F_D1, F_EFF, F_HEALTH, F_KQ, F_LM_B, F_LM_L, F_LM_SIZE, F_LM_TOTAL,
                          F_PEN, F_PF, F_PFT, F_RATIO, F_SPF, I_BLNUM, I_BLPEND, I_BLPOT, I_BLWAIT,
-                         I_BOXMAX, I_CAP, I_LOAD, I_RATE, I_THR, I_W)
+                         I_BOXMAX, I_CAP, I_EQ, I_LOAD, I_RATE, I_THR, I_W)
 from .estimates import PENDING_MS
 
 
@@ -142,6 +142,39 @@ def cost(F, I, npend, P, R, long_prompt, long_weight):
     return out
 
 
+@njit(cache=True, error_model="numpy", nogil=True)
+def cheapest(pool, cost, I, npend, near_tie_ms):
+    """Selection among the pool by cost (domain §2.16): (lowest cost, the rows within
+    `near_tie_ms` of it that share the lowest (effective queue, total pending) key, in row order).
+    A NaN or infinite lowest cost comes back as is, with no rows (the scalar path decides)."""
+    n = pool.shape[0]
+    best = np.inf
+    seen = False
+    for i in range(n):
+        if pool[i]:
+            x = cost[i]
+            if x != x:  # NaN: numpy's min is NaN
+                return x, np.empty(0, dtype=np.int64)
+            if not seen or x < best:
+                best, seen = x, True
+    if not np.isfinite(best):
+        return best, np.empty(0, dtype=np.int64)
+    low = np.int64(0)
+    found = False
+    for i in range(n):
+        if pool[i] and abs(cost[i] - best) <= near_tie_ms:
+            key = (I[I_EQ, i] << 32) + npend[i]
+            if not found or key < low:
+                low, found = key, True
+    out = np.empty(n, dtype=np.int64)
+    m = 0
+    for i in range(n):
+        if pool[i] and abs(cost[i] - best) <= near_tie_ms and (I[I_EQ, i] << 32) + npend[i] == low:
+            out[m] = i
+            m += 1
+    return best, out[:m]
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) every loop for the column types the fast path uses,
     so a worker's first decision does not wait for it (≈ 2.5 s without a cache, 0.3 s with)."""
@@ -151,4 +184,5 @@ def warm_up() -> None:
     admission(F, I, B, mask, one, one, 1, 2, 0.5)
     _, t = ttft(F, I, B, 1, True)
     ttft_gate(B, mask, t, 1.0)
-    cost(F, I, one, 1, 1, True, 1.0)
+    c = cost(F, I, one, 1, 1, True, 1.0)
+    cheapest(mask, c, I, one, 3000.0)

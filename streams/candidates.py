@@ -1,6 +1,7 @@
 """The fast path of the candidate scan (domain §2.12): per-model candidate indexes whose columns hold,
 for every provider advertising the model, the request-independent part of its evaluation, so a
-decision is a few numpy vector operations instead of a Python loop over candidates.
+decision is a few passes of compiled loops over the columns (streams/scan_kernel.py) and some numpy
+operations instead of a Python loop over candidates.
 
 Layout. One `ModelIndex` per model that has been decided at least once: rows in ascending provider
 id (the scan order of rules §2), columns in three 2-D arrays (float64 `F`, int64 `I`, bool `B`,
@@ -16,11 +17,12 @@ Keeping it current:
   (done lazily at the next decision; rows of unchanged providers are kept);
 - values read from the rings (fleet decode median, prefill median, solo rates for the quality cap)
   and the calibrator ratios are refreshed per index, vectorised, when the ring family's per-model
-  version (or the calibrator's observation count) moved since the last refresh;
+  version (for the calibrator ratios: the model's own observation count) moved since the last refresh;
 - a config change drops every index (rebuilt on the next decision for each model).
 
 Exactness. Request-dependent arithmetic is element-wise IEEE float64 in the formulas' written
-order (rules §2): numpy's +, −, ×, ÷ on float64 round exactly like Python floats, so the fast path
+order (rules §2): numpy's and the compiled loops' +, −, ×, ÷ on float64 (no fast-math, so no
+reordering or fused multiply-add) round exactly like Python floats, so the fast path
 gives bit-identical TTFT and cost. Integer admissions are exact int64 comparisons (`used + tokens ≤ max` ⇔
 `tokens ≤ max − used`; pooled `… + tokens·rate ≤ total` ⇔ `tokens·rate ≤ free`, no overflow for
 tokens < 2^32 and rate ≤ 2^24). The only reductions are min / argmin /

@@ -19,7 +19,7 @@ MAX_PREDICTIONS = 8192
 
 
 class TtftCalibrator:
-    __slots__ = ("by_family", "by_model", "predictions", "observations", "seq", "dirty", "model_versions")
+    __slots__ = ("by_family", "by_model", "predictions", "observations", "seq", "dirty", "versions")
 
     def __init__(self):
         self.by_family: dict[tuple[str, str, str], SampleRing] = {}
@@ -31,9 +31,10 @@ class TtftCalibrator:
         # restored router numbers new predictions exactly as one that never stopped
         self.seq: dict[tuple[str, int], int] = {}
         self.dirty: set[tuple] = set()  # ("cw", model, family, source) / ("cm", ...) / ("cp", rid, attempt)
-        # observations per model since this object was built: a cache key for the fast path's
-        # ratio columns (a model's ratios move only with its own windows), not state
-        self.model_versions: dict[str, int] = {}
+        # observations per (model, prefill source) since this object was built: a cache key for
+        # the fast path's ratio columns (ratio(model, ·, source) reads only the windows of that
+        # model and source), not state
+        self.versions: dict[tuple[str, str], int] = {}
 
     def ratio(self, model: str, family: str, source: str) -> float:
         ring = self.by_family.get((model, family, source))
@@ -84,5 +85,5 @@ class TtftCalibrator:
             ring.record(ratio)
             self.dirty.add((tag, *k))
         self.observations += 1
-        self.model_versions[model] = self.model_versions.get(model, 0) + 1
+        self.versions[model, source] = self.versions.get((model, source), 0) + 1
         return True

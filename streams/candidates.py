@@ -85,7 +85,7 @@ class ModelIndex:
 
     __slots__ = ("model", "n", "pids", "provs", "row_of", "F", "I", "B", "layout_dirty", "broken",
                  "fam_codes", "fams", "cls_codes", "classes", "ver_codes", "acct_codes",
-                 "seen_decode", "seen_prefill", "seen_solo", "seen_calib", "ratio_one",
+                 "seen_decode", "seen_prefill", "seen_solo", "seen_calib", "ratio_one", "ratio_table",
                  "floor", "pattern", "solo_rates", "solo_rates_version")
 
     def __init__(self, model: str):
@@ -105,7 +105,9 @@ class ModelIndex:
         self.classes: list[str] = []
         self.ver_codes: dict[str, int] = {}
         self.acct_codes: dict[str, int] = {}
-        self.seen_decode = self.seen_prefill = self.seen_solo = self.seen_calib = -1
+        self.seen_decode = self.seen_prefill = self.seen_solo = -1
+        self.seen_calib: list[int] | None = None  # calibrator versions per source, as of ratio_table
+        self.ratio_table = None  # calibrator ratio per (family code, source)
         self.ratio_one = True
         self.floor = None
         self.pattern = None
@@ -490,10 +492,11 @@ class FastPath:
         if v != ix.seen_solo:
             ix.seen_solo = v
             self._refresh_cap(ix)
-        v = r.calibrator.model_versions.get(model, 0)
-        if v != ix.seen_calib:
-            ix.seen_calib = v
-            self._refresh_ratio(ix)
+        versions = r.calibrator.versions
+        seen = [versions.get((model, s), 0) for s in SOURCES]
+        if seen != ix.seen_calib:
+            old, ix.seen_calib = ix.seen_calib, seen
+            self._refresh_ratio(ix, None if old is None else [i for i in range(len(SOURCES)) if seen[i] != old[i]])
 
     def _refresh_decode(self, ix: ModelIndex) -> None:
         mask = ix.B[B_EFFRING]
@@ -524,12 +527,19 @@ class FastPath:
         F[F_PFT] = np.where(pf > 0, pf, 1.0)
         self._refresh_ratio(ix)
 
-    def _refresh_ratio(self, ix: ModelIndex) -> None:
+    def _refresh_ratio(self, ix: ModelIndex, sources: list[int] | None = None) -> None:
+        """The ratio column from the calibrator: every (family, source) pair, or only the `sources`
+        whose windows moved when the cached table still covers every family."""
         r = self.router
         if not r.config.ttft_calibration:
             return
-        cal = r.calibrator
-        table = np.array([[cal.ratio(ix.model, fam, s) for s in SOURCES] for fam in ix.fams] or [[1.0] * 4])
+        cal, model, table = r.calibrator, ix.model, ix.ratio_table
+        if sources is None or table is None or len(table) != max(1, len(ix.fams)):
+            table = np.array([[cal.ratio(model, fam, s) for s in SOURCES] for fam in ix.fams] or [[1.0] * 4])
+        else:
+            for si in sources:
+                table[:len(ix.fams), si] = [cal.ratio(model, fam, SOURCES[si]) for fam in ix.fams]
+        ix.ratio_table = table
         ix.F[F_RATIO] = table[ix.I[I_FAM], ix.I[I_SRC]]
         ix.ratio_one = bool((table == 1.0).all())
 

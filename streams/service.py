@@ -252,6 +252,8 @@ RESENT = Counter("switchyard_outputs_resent_total",
                  "Entries whose outputs were re-sent from the outbox after a restart", registry=registry)
 CORE_ERRORS = Counter("switchyard_core_errors_total", "Journal entries the core failed on (bugs)",
                       ["error"], registry=registry)
+
+
 class QueueDepth:
     """switchyard_queue_depth{model}, read from the router when /metrics is scraped (setting a
     labelled gauge for every model after every entry cost more than the scrapes do)."""

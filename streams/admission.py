@@ -81,9 +81,12 @@ def pending_load_for_model(p: ProviderState, model: str, slot: Slot | None) -> i
     return len(p.pending)
 
 
-def has_headroom(p: ProviderState, model: str, slot: Slot | None, config: Config, rings: TpsRegistry) -> bool:
-    return (pending_load_for_model(p, model, slot) < effective_cap(p, model, slot, config, rings)
-            and len(p.pending) < p.box_max_concurrency(config))
+def has_headroom(p: ProviderState, model: str, slot: Slot | None, config: Config, rings: TpsRegistry,
+                 cap: int | None = None) -> bool:
+    """`cap`: the provider's `effective_cap` for the model, when the caller already has it."""
+    if cap is None:
+        cap = effective_cap(p, model, slot, config, rings)
+    return pending_load_for_model(p, model, slot) < cap and len(p.pending) < p.box_max_concurrency(config)
 
 
 # --- KV admission ---------------------------------------------------------------------------------

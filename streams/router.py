@@ -844,7 +844,6 @@ class Router:
                         allowed=frozenset(), excluded=frozenset(), avoid_version=None, sent_at_ms=0)
         recalibrate = c.prefill_fallback_mode == "enforce"
         routable, concurrency, tokens, best_ttft = 0, 0, 0, 0.0
-        class_rates: dict[str, float | None] = {}  # class_solo_tps per chip class, once per call
         for pid in self.by_model.get(model, ()):
             p = self.providers[pid]
             if not self.passes_gates(p, probe) or p.thermal == "critical":
@@ -855,17 +854,12 @@ class Router:
             remaining = adm.pooled_remaining_tokens(p, model, slot)
             budget_ok = slot is None or slot.budget_max <= 0 or \
                 slot.budget_used + slot.queued_budget < slot.budget_max
-            # adm.has_headroom and adm.effective_cap, unrolled to compute the cap once
-            cap = adm.base_concurrency(p, slot, c)
-            if c.quality_cap:
-                if p.chip_class not in class_rates:
-                    class_rates[p.chip_class] = adm.class_solo_tps(model, p.chip_class, c, rings)
-                cap = adm.cap_for_class_rate(p, model, cap, class_rates[p.chip_class], c)
-            load, box_free = adm.pending_load_for_model(p, model, slot), p.box_max_concurrency(c) - len(p.pending)
-            if not (load < cap and box_free > 0 and budget_ok and remaining != 0):
+            cap = adm.effective_cap(p, model, slot, c, rings)  # once: headroom and concurrency
+            if not (adm.has_headroom(p, model, slot, c, rings, cap) and budget_ok and remaining != 0):
                 continue
             routable += 1
-            concurrency += max(0, min(cap - load, box_free))
+            concurrency += max(0, min(cap - adm.pending_load_for_model(p, model, slot),
+                                      p.box_max_concurrency(c) - len(p.pending)))
             if slot is not None and slot.budget_max > 0:
                 head = max(0, slot.budget_max - slot.budget_used - slot.queued_budget)
                 tokens += min(head, remaining) if remaining >= 0 else head

@@ -1,6 +1,7 @@
 """The fast path's per-request candidate scan as compiled loops (numba), from the gates to the
-cost and the cheapest rows: the same element-wise IEEE float64 arithmetic, in the same written order, as the numpy
-expressions it replaces (`FastPath._scan` keeps the filters before and the affinity bonus after).
+cost and the cheapest rows: the same element-wise IEEE float64 arithmetic, in the same written
+order, as the numpy expressions it replaces (`FastPath._scan` keeps the filters before and the
+affinity bonus after).
 
 Why: a scan over a model's 700–900 rows took about 70 numpy calls, each a few microseconds of
 call overhead on short columns; the loop does one pass per stage. Exactness is as in
@@ -17,7 +18,7 @@ from numba import njit
 from .candidates import (B_HASBC, B_HASMC, B_KVS, B_LM, B_LMFFL, B_LMFFLOK, B_LMUNL, B_NOBC, B_TL,
                          F_CPEN, F_D1, F_EFF, F_HEALTH, F_KQ, F_LM_B, F_LM_L, F_LM_SIZE, F_LM_TOTAL,
                          F_PEN, F_PF, F_PFT, F_RATIO, F_SPF, I_BLNUM, I_BLPEND, I_BLPOT, I_BLWAIT,
-                         I_BOXMAX, I_CAP, I_EQ, I_LOAD, I_RATE, I_THR, I_W)
+                         I_BOXMAX, I_CAP, I_EQ, I_LOAD, I_RATE, I_THR, I_W, NB, NF, NI)
 from .estimates import PENDING_MS
 
 
@@ -178,7 +179,6 @@ def cheapest(pool, cost, I, npend, near_tie_ms):
 def warm_up() -> None:
     """Compile (or load from numba's cache) every loop for the column types the fast path uses,
     so a worker's first decision does not wait for it (≈ 2.5 s without a cache, 0.3 s with)."""
-    from .candidates import NB, NF, NI
     F, I, B = np.ones((NF, 1)), np.ones((NI, 1), dtype=np.int64), np.zeros((NB, 1), dtype=np.bool_)
     one, mask = np.ones(1, dtype=np.int64), np.ones(1, dtype=np.bool_)
     admission(F, I, B, mask, one, one, 1, 2, 0.5)

@@ -49,6 +49,7 @@ TOKEN_LIMIT = 1 << 31        # the fast path handles prompt and max_tokens below
 SOURCES = ("observed", "median", "anchor", "static")
 SRC = {s: i for i, s in enumerate(SOURCES)}
 NEAR_TIE_MS = 3_000.0
+NO_ROWS = np.zeros(0, dtype=bool)  # no allowed/excluded mask
 
 # float columns
 (F_PEN, F_KQ, F_EFF, F_D1, F_PF, F_PFT, F_SPF, F_HEALTH, F_PROJ, F_RATIO, F_STATIC_EFF, F_FB_PF,
@@ -459,7 +460,7 @@ class FastPath:
             else:
                 rebuild.append(j)
         if ix.n:
-            F, I, B = ix.F[:, take], ix.I[:, take], ix.B[:, take]
+            F, I, B = (np.take(a, take, axis=1) for a in (ix.F, ix.I, ix.B))  # C order, as the kernels expect
         else:
             F, I, B = np.zeros((NF, n)), np.zeros((NI, n), dtype=np.int64), np.zeros((NB, n), dtype=bool)
         ix.F, ix.I, ix.B = F, I, B
@@ -499,16 +500,9 @@ class FastPath:
             self._refresh_ratio(ix, None if old is None else [i for i in range(len(SOURCES)) if seen[i] != old[i]])
 
     def _refresh_decode(self, ix: ModelIndex) -> None:
-        mask = ix.B[B_EFFRING]
-        if not mask.any():
-            return
         rings = self.router.rings
-        table = np.array([rings.decode.median(ix.model, fam) for fam in ix.fams] or [0.0])
-        med = table[ix.I[I_FAM]]
-        F = ix.F
-        np.copyto(F[F_EFF], np.where(med > 0, med, F[F_STATIC_EFF]), where=mask)
-        eff = F[F_EFF]
-        F[F_D1] = 1000 / np.where(eff > 0, eff, 1.0)
+        medians = np.array([rings.decode.median(ix.model, fam) for fam in ix.fams] or [0.0])
+        kernel.refresh_decode(ix.F, ix.I, ix.B, medians)
 
     def _refresh_prefill(self, ix: ModelIndex) -> None:
         c = self.router.config
@@ -540,7 +534,7 @@ class FastPath:
             for si in sources:
                 table[:len(ix.fams), si] = [cal.ratio(model, fam, SOURCES[si]) for fam in ix.fams]
         ix.ratio_table = table
-        ix.F[F_RATIO] = table[ix.I[I_FAM], ix.I[I_SRC]]
+        kernel.gather_ratio(ix.F, ix.I, table)
         ix.ratio_one = bool((table == 1.0).all())
 
     def _refresh_cap(self, ix: ModelIndex) -> None:
@@ -609,29 +603,13 @@ class FastPath:
     def _scan(self, req, ix: ModelIndex, P: int, R: int) -> FastScan:
         r = self.router
         c = r.config
-        F, I, Bc = ix.F, ix.I, ix.B
         res = FastScan(ix)
-        g = I[I_GIDX]
-        npend = self.npend[g]
-        res.npend = npend
-        # --- filters and gates (domain §2.2) ---
-        owned = None
-        acct = req.account_id
-        if acct is not None:
-            code = ix.acct_codes.get(acct)
-            if code is not None:
-                owned = I[I_ACCT] == code
-        res.owned = owned
-        if req.self_route_only:
-            if owned is None:
-                return res
-            elig = owned & Bc[B_GATESELF] & Bc[B_OKSTATE]
-        elif owned is not None:
-            elig = np.where(owned, Bc[B_GATEOWN], Bc[B_GATEPUB]) & Bc[B_OKSTATE]
-        else:
-            elig = Bc[B_PREPUB]
-        if req.requires_vision:
-            elig = elig & Bc[B_VISION]
+        acct = -1
+        if req.account_id is not None:
+            acct = ix.acct_codes.get(req.account_id, -1)
+        if req.self_route_only and acct < 0:
+            return res  # no provider of the requester's account advertises the model
+        keep = NO_ROWS
         if req.allowed or req.excluded:
             keep = np.zeros(ix.n, dtype=bool) if req.allowed else np.ones(ix.n, dtype=bool)
             row_of = ix.row_of
@@ -643,20 +621,20 @@ class FastPath:
                 i = row_of.get(pid)
                 if i is not None:
                     keep[i] = False
-            elig = elig & keep
-        # --- headroom, thermal, hardware fit, KV admission, TTFT, cost: compiled loops ---
-        T = P + R
-        kv_gb = min(T, adm.MAX_KV_TOKENS) * adm.KV_DEFAULT_BYTES_PER_TOKEN / adm.GIB
-        admitted, n_elig, n_ph, res.too_large, n_kvs = kernel.admission(F, I, Bc, elig, npend, self.pool[g], P, T, kv_gb)
-        res.adm = admitted
-        n_adm = _count(admitted)
+        kv_gb = min(P + R, adm.MAX_KV_TOKENS) * adm.KV_DEFAULT_BYTES_PER_TOKEN / adm.GIB
+        long_prompt = c.long_prompt_tokens > 0 and P >= c.long_prompt_tokens
+        (res.npend, owned, res.adm, n_elig, n_ph, res.too_large, n_kvs, n_adm, res.raw, res.ttft, cand,
+         res.ttft_rejections, best, no_bc, cost) = kernel.scan(
+            ix.F, ix.I, ix.B, self.npend, self.pool, acct, req.self_route_only, req.requires_vision, keep,
+            P, R, kv_gb, c.ttft_calibration and not ix.ratio_one, float(req.max_ttft_ms), long_prompt,
+            float(c.long_prompt_weight - 1))
+        if acct >= 0:
+            res.owned = owned
         res.capacity_rejections = n_elig - n_ph + n_kvs - n_adm
         if n_adm == 0:
             return res
-        res.raw, res.ttft = kernel.ttft(F, I, Bc, P, c.ttft_calibration and not ix.ratio_one)
-        cand, res.ttft_rejections, i, no_bc = kernel.ttft_gate(Bc, admitted, res.ttft, float(req.max_ttft_ms))
-        if i >= 0:
-            res.best_ttft, res.best_source = res.ttft[i].item(), SOURCES[I[I_SRC, i]]
+        if best >= 0:
+            res.best_ttft, res.best_source = res.ttft[best].item(), SOURCES[ix.I[I_SRC, best]]
         if no_bc:
             res.has_ttft = False
         n_cand = n_adm - res.ttft_rejections
@@ -664,8 +642,6 @@ class FastPath:
         res.candidates = range(n_cand)
         if n_cand == 0:
             return res
-        long_prompt = c.long_prompt_tokens > 0 and P >= c.long_prompt_tokens
-        cost = kernel.cost(F, I, npend, P, R, long_prompt, float(c.long_prompt_weight - 1))
         aff = r._affinity_lookup(req)
         res.affinity_pid = aff
         if aff is not None:

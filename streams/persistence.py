@@ -1,6 +1,6 @@
 """The routing core's state as fine-grained key → value pairs, for Faust tables (RocksDB + changelog).
 
-The router marks the keys an entry changed (`Router.dirty`); `export` turns them into JSON-able
+The router marks the keys an entry changed (`Router.take_dirty`); `export` turns them into JSON-able
 values (None = delete); `restore` rebuilds a Router from every stored pair. One journal entry writes
 a few keys: `meta` (time, offset, config, counters), the providers it touched, the ring windows it
 fed, its dedup id, and — for a decision — the serve counter, calibrator prediction, affinity entry
@@ -30,7 +30,7 @@ RING_FAMILIES = ("decode", "solo", "prefill")
 
 
 def key(*parts) -> str:
-    return SEP.join(str(p) for p in parts)
+    return SEP.join(map(str, parts))
 
 
 # --- export ---------------------------------------------------------------------------------------

@@ -145,7 +145,7 @@ class Router:
         self.tripwires: Counter = Counter()
         # Persistence (streams/persistence.py): keys changed since the adapter last saved, and
         # insertion sequence numbers that let a restored router keep every map's order.
-        self.dirty: set[str] = set()
+        self.dirty: set[tuple] = set()  # key parts; joined into persistence keys by take_dirty
         self.seq = 0
         self.liveness_seq: dict[str, int] = {}
         self.affinity_seq: dict[tuple, int] = {}
@@ -165,7 +165,7 @@ class Router:
     def apply(self, offset: int, journal_time_ms: int | None, type_name: str, record: dict) -> list:
         """Apply one journal entry. Never raises on bad input: refusals come back as outputs."""
         self.offset = offset
-        self.dirty.add("meta")
+        self.dirty.add(("meta",))
         out: list = []
         if type_name in OUTPUT_TYPES:
             return out
@@ -210,7 +210,7 @@ class Router:
             q = self.queues[model]
             while q and self.now - q[0].enqueued_at_ms > wait:
                 item = q.popleft()
-                self.dirty.add(pkey("q", model))
+                self.dirty.add(("q", model))
                 self.counters["queue_timeouts"] += 1
                 out.append(self._reject(item.request, "queue_timeout", 429, retry_after_for_depth(len(q))))
 
@@ -222,9 +222,9 @@ class Router:
             self.counters["duplicate_events"] += 1
             return True
         self.seen_events[event_id] = self._next_seq()
-        self.dirty.add(pkey("e", event_id))
+        self.dirty.add(("e", event_id))
         if len(self.seen_events) > EVENT_DEDUP_WINDOW:
-            self.dirty.add(pkey("e", self.seen_events.popitem(last=False)[0]))
+            self.dirty.add(("e", self.seen_events.popitem(last=False)[0]))
         return False
 
     # --- persistence support ------------------------------------------------------------------------
@@ -237,7 +237,7 @@ class Router:
         self.liveness.pop(p.provider_id, None)
         self.liveness[p.provider_id] = self.now
         self.liveness_seq[p.provider_id] = self._next_seq()
-        self.dirty.add(pkey("p", p.provider_id))
+        self.dirty.add(("p", p.provider_id))
 
     def add_restored_provider(self, p: ProviderState, seen_seq: int) -> None:
         """Restore support: add a provider in liveness order (callers sort by `seen_seq`)."""
@@ -253,7 +253,7 @@ class Router:
 
     def take_dirty(self) -> set[str]:
         """The persistence keys changed since the last call (components report their own)."""
-        dirty = self.dirty
+        dirty = {pkey(*k) for k in self.dirty}
         for family in ("decode", "solo", "prefill"):
             ring_family = getattr(self.rings, family)
             dirty.update(pkey("r", family, m, c) for m, c in ring_family.dirty)
@@ -290,7 +290,7 @@ class Router:
         self.liveness_seq.pop(pid, None)
         if p is None:
             return False
-        self.dirty.add(pkey("p", pid))
+        self.dirty.add(("p", pid))
         for model in p.models:
             ids = self.by_model.get(model)
             if ids:
@@ -379,7 +379,7 @@ class Router:
             self.counters["completions_provider_mismatch"] += 1
         p = self.providers.get(pid)
         if p is not None:
-            self.dirty.add(pkey("p", pid))
+            self.dirty.add(("p", pid))
             gone = p.remove_pending(key)
             if gone is not None and self.fast is not None:
                 self.fast.pending_changed(p, gone.model)
@@ -398,7 +398,7 @@ class Router:
             for item in q:
                 if item.request.key == key:
                     q.remove(item)
-                    self.dirty.add(pkey("q", item.request.model))
+                    self.dirty.add(("q", item.request.model))
                     return True
         return False
 
@@ -422,9 +422,9 @@ class Router:
             self.counters["duplicate_requests"] += 1
             return
         self.seen_requests[key] = self._next_seq()
-        self.dirty.add(pkey("rq", *key))
+        self.dirty.add(("rq", *key))
         if len(self.seen_requests) > REQUEST_DEDUP_WINDOW:
-            self.dirty.add(pkey("rq", *self.seen_requests.popitem(last=False)[0]))
+            self.dirty.add(("rq", *self.seen_requests.popitem(last=False)[0]))
         req, why = self._stamp(event)
         if req is None:
             self.counters["invalid_requests"] += 1
@@ -727,7 +727,7 @@ class Router:
                                               429, self._retry_after(model), scan=res))
                 else:
                     queue.append(Queued(req, self.now))
-                    self.dirty.add(pkey("q", model))
+                    self.dirty.add(("q", model))
                     out.append(self._decision(req.request_id, req.attempt, model, "queued", None, 202,
                                               None, scan=res))
             else:
@@ -762,7 +762,7 @@ class Router:
 
     def _reserve(self, req: Request, winner: Candidate) -> None:
         p = winner.p
-        self.dirty.add(pkey("p", p.provider_id))
+        self.dirty.add(("p", p.provider_id))
         p.add_pending(req.key, req.model, req.tokens, self.now)
         p.status = "serving" if p.status == "idle" else p.status
         if self.fast is not None:
@@ -777,11 +777,11 @@ class Router:
             self.affinity.pop(pin, None)
             self.affinity[pin] = (p.provider_id, self.now)
             self.affinity_seq[pin] = self._next_seq()
-            self.dirty.add(pkey("a", *pin))
+            self.dirty.add(("a", *pin))
             while len(self.affinity) > AFFINITY_MAX:
                 old = self.affinity.popitem(last=False)[0]
                 self.affinity_seq.pop(old, None)
-                self.dirty.add(pkey("a", *old))
+                self.dirty.add(("a", *old))
 
     def _affinity_lookup(self, req: Request) -> str | None:
         if not (req.consumer_key and req.affinity_key) or self.config.affinity_bonus_ms <= 0:
@@ -832,7 +832,7 @@ class Router:
                 if not self._decide(item.request, out, from_queue=True):
                     keep.append(item)
             self.queues[model] = keep
-            self.dirty.add(pkey("q", model))
+            self.dirty.add(("q", model))
 
     # === capacity feed (domain §2.10.7) =============================================================
     def capacity(self, model: str) -> dict:

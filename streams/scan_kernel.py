@@ -15,15 +15,60 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .candidates import (B_HASBC, B_HASMC, B_KVS, B_LM, B_LMFFL, B_LMFFLOK, B_LMUNL, B_NOBC, B_TL,
+from .candidates import (B_EFFRING, B_GATEOWN, B_GATEPUB, B_GATESELF, B_HASBC, B_HASMC, B_KVS, B_LM,
+                         B_LMFFL, B_LMFFLOK, B_LMUNL, B_NOBC, B_OKSTATE, B_PREPUB, B_TL, B_VISION,
                          F_CPEN, F_D1, F_EFF, F_HEALTH, F_KQ, F_LM_B, F_LM_L, F_LM_SIZE, F_LM_TOTAL,
-                         F_PEN, F_PF, F_PFT, F_RATIO, F_SPF, I_BLNUM, I_BLPEND, I_BLPOT, I_BLWAIT,
-                         I_BOXMAX, I_CAP, I_EQ, I_LOAD, I_RATE, I_THR, I_W, NB, NF, NI)
+                         F_PEN, F_PF, F_PFT, F_RATIO, F_SPF, F_STATIC_EFF, I_ACCT, I_BLNUM, I_BLPEND,
+                         I_BLPOT, I_BLWAIT, I_BOXMAX, I_CAP, I_EQ, I_FAM, I_GIDX, I_LOAD, I_RATE,
+                         I_SRC, I_THR, I_W, NB, NF, NI)
 from .estimates import PENDING_MS
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def admission(F, I, B, elig, npend, pool, P, T, kv_gb):
+def scan(F, I, B, npend_all, pool_all, acct, self_route, vision, keep, P, R, kv_gb, calibrate, max_ttft,
+         long_prompt, long_weight):
+    """The whole scan of one request in one call (a call into compiled code costs a few µs, as
+    much as a stage's loop): gather the fleet-wide cells, the gates (domain §2.2), then admission,
+    TTFT and its gate, and cost. `acct` is the requester's account code in the index, or -1;
+    `keep` is the allowed/excluded mask, or empty. Returns (pending per row, owned, admitted,
+    eligible, with headroom, too large, KV-admissible, admitted count, raw TTFT, TTFT, candidates, TTFT rejections,
+    best TTFT row, any admitted row without backend capacity, cost)."""
+    n = F.shape[1]
+    npend = np.empty(n, dtype=np.int64)
+    pool = np.empty(n, dtype=np.int64)
+    owned = np.zeros(n, dtype=np.bool_)
+    elig = np.empty(n, dtype=np.bool_)
+    use_keep = keep.shape[0] > 0
+    for i in range(n):
+        g = I[I_GIDX, i]
+        npend[i] = npend_all[g]
+        pool[i] = pool_all[g]
+        o = acct >= 0 and I[I_ACCT, i] == acct
+        owned[i] = o
+        if self_route:
+            e = o and B[B_GATESELF, i] and B[B_OKSTATE, i]
+        elif acct >= 0:
+            e = (B[B_GATEOWN, i] if o else B[B_GATEPUB, i]) and B[B_OKSTATE, i]
+        else:
+            e = B[B_PREPUB, i]
+        if vision:
+            e = e and B[B_VISION, i]
+        if use_keep:
+            e = e and keep[i]
+        elig[i] = e
+    admitted, n_elig, n_ph, too_large, n_kvs = admission(F, I, B, elig, npend, pool, P + R, kv_gb)
+    n_adm = 0
+    for i in range(n):
+        n_adm += admitted[i]
+    raw, calibrated = ttft(F, I, B, P, calibrate)
+    cand, rejected, best, no_bc = ttft_gate(B, admitted, calibrated, max_ttft)
+    c = cost(F, I, npend, P, R, long_prompt, long_weight)
+    return (npend, owned, admitted, n_elig, n_ph, too_large, n_kvs, n_adm, raw, calibrated, cand, rejected,
+            best, no_bc, c)
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def admission(F, I, B, elig, npend, pool, T, kv_gb):
     """Headroom, hardware fit and KV admission (domain §2.6–2.10). Returns (admitted mask,
     rows eligible, rows eligible with headroom, too large, KV-admissible)."""
     n = elig.shape[0]
@@ -176,13 +221,33 @@ def cheapest(pool, cost, I, npend, near_tie_ms):
     return best, out[:m]
 
 
+@njit(cache=True, error_model="numpy", nogil=True)
+def refresh_decode(F, I, B, medians):
+    """Rows that read the fleet decode median (B_EFFRING): their family's median when positive, else
+    their static rate; and 1000 / rate for the TTFT (as `estimates.effective_tps` and `_row`)."""
+    for i in range(F.shape[1]):
+        if B[B_EFFRING, i]:
+            med = medians[I[I_FAM, i]]
+            eff = med if med > 0 else F[F_STATIC_EFF, i]
+            F[F_EFF, i] = eff
+            F[F_D1, i] = 1000 / (eff if eff > 0 else 1.0)
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def gather_ratio(F, I, table):
+    """The calibrator ratio of every row from the (family, source) table."""
+    for i in range(F.shape[1]):
+        F[F_RATIO, i] = table[I[I_FAM, i], I[I_SRC, i]]
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) every loop for the column types the fast path uses,
     so a worker's first decision does not wait for it (≈ 2.5 s without a cache, 0.3 s with)."""
     F, I, B = np.ones((NF, 1)), np.ones((NI, 1), dtype=np.int64), np.zeros((NB, 1), dtype=np.bool_)
+    I[:] = 0
     one, mask = np.ones(1, dtype=np.int64), np.ones(1, dtype=np.bool_)
-    admission(F, I, B, mask, one, one, 1, 2, 0.5)
-    _, t = ttft(F, I, B, 1, True)
-    ttft_gate(B, mask, t, 1.0)
-    c = cost(F, I, one, 1, 1, True, 1.0)
-    cheapest(mask, c, I, one, 3000.0)
+    for keep in (mask, np.zeros(0, dtype=np.bool_)):
+        out = scan(F, I, B, one, one, 0, False, True, keep, 1, 1, 0.5, True, 1.0, True, 1.0)
+    cheapest(mask, out[-1], I, one, 3000.0)
+    refresh_decode(F, I, B, np.ones(1))
+    gather_ratio(F, I, np.ones((1, 4)))

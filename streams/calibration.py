@@ -31,10 +31,10 @@ class TtftCalibrator:
         # restored router numbers new predictions exactly as one that never stopped
         self.seq: dict[tuple[str, int], int] = {}
         self.dirty: set[tuple] = set()  # ("cw", model, family, source) / ("cm", ...) / ("cp", rid, attempt)
-        # observations per (model, prefill source) since this object was built: a cache key for
+        # model -> prefill source -> observations since this object was built: a cache key for
         # the fast path's ratio columns (ratio(model, ·, source) reads only the windows of that
         # model and source), not state
-        self.versions: dict[tuple[str, str], int] = {}
+        self.versions: dict[str, dict[str, int]] = {}
 
     def ratio(self, model: str, family: str, source: str) -> float:
         ring = self.by_family.get((model, family, source))
@@ -85,5 +85,6 @@ class TtftCalibrator:
             ring.record(ratio)
             self.dirty.add((tag, *k))
         self.observations += 1
-        self.versions[model, source] = self.versions.get((model, source), 0) + 1
+        counts = self.versions.setdefault(model, {})
+        counts[source] = counts.get(source, 0) + 1
         return True

@@ -50,6 +50,7 @@ SOURCES = ("observed", "median", "anchor", "static")
 SRC = {s: i for i, s in enumerate(SOURCES)}
 NEAR_TIE_MS = 3_000.0
 NO_ROWS = np.zeros(0, dtype=bool)  # no allowed/excluded mask
+NO_OBSERVATIONS: dict = {}
 
 # float columns
 (F_PEN, F_KQ, F_EFF, F_D1, F_PF, F_PFT, F_SPF, F_HEALTH, F_PROJ, F_RATIO, F_STATIC_EFF, F_FB_PF,
@@ -107,7 +108,7 @@ class ModelIndex:
         self.ver_codes: dict[str, int] = {}
         self.acct_codes: dict[str, int] = {}
         self.seen_decode = self.seen_prefill = self.seen_solo = -1
-        self.seen_calib: list[int] | None = None  # calibrator versions per source, as of ratio_table
+        self.seen_calib: dict | None = None  # calibrator versions per source, as of the ratio column
         self.ratio_table = None  # calibrator ratio per (family code, source)
         self.ratio_one = True
         self.floor = None
@@ -493,11 +494,11 @@ class FastPath:
         if v != ix.seen_solo:
             ix.seen_solo = v
             self._refresh_cap(ix)
-        versions = r.calibrator.versions
-        seen = [versions.get((model, s), 0) for s in SOURCES]
+        seen = r.calibrator.versions.get(model, NO_OBSERVATIONS)
         if seen != ix.seen_calib:
-            old, ix.seen_calib = ix.seen_calib, seen
-            self._refresh_ratio(ix, None if old is None else [i for i in range(len(SOURCES)) if seen[i] != old[i]])
+            old, ix.seen_calib = ix.seen_calib, dict(seen)
+            self._refresh_ratio(ix, None if old is None else [
+                i for i, s in enumerate(SOURCES) if seen.get(s) != old.get(s)])
 
     def _refresh_decode(self, ix: ModelIndex) -> None:
         rings = self.router.rings
@@ -511,15 +512,10 @@ class FastPath:
             return
         rings = self.router.rings
         stats = [rings.prefill.stats(ix.model, cls) for cls in ix.classes] or [(0.0, 0)]
-        med = np.array([s[0] for s in stats])[ix.I[I_CLS]]
-        cnt = np.array([s[1] for s in stats], dtype=np.int64)[ix.I[I_CLS]]
-        ok = (med > 0) & (cnt >= c.prefill_min_samples)
-        F, I = ix.F, ix.I
-        np.copyto(F[F_PF], np.minimum(np.where(ok, med, F[F_FB_PF]), c.max_prefill_tps), where=mask)
-        np.copyto(I[I_SRC], np.where(ok, SRC["median"], I[I_FBSRC]), where=mask)
-        pf = F[F_PF]
-        F[F_PFT] = np.where(pf > 0, pf, 1.0)
-        self._refresh_ratio(ix)
+        kernel.refresh_prefill(ix.F, ix.I, ix.B, np.array([s[0] for s in stats]),
+                               np.array([s[1] for s in stats], dtype=np.int64), c.prefill_min_samples,
+                               float(c.max_prefill_tps), SRC["median"])
+        self._refresh_ratio(ix, [])  # rows' sources moved; the (family, source) ratios did not
 
     def _refresh_ratio(self, ix: ModelIndex, sources: list[int] | None = None) -> None:
         """The ratio column from the calibrator: every (family, source) pair, or only the `sources`
@@ -538,47 +534,24 @@ class FastPath:
         ix.ratio_one = bool((table == 1.0).all())
 
     def _refresh_cap(self, ix: ModelIndex) -> None:
-        """The quality cap of every row (domain §2.6), vectorised; mirrors `admission.effective_cap`."""
+        """The quality cap of every row (domain §2.6), compiled; mirrors `admission.effective_cap`."""
         r = self.router
         c, model = r.config, ix.model
-        I, F = ix.I, ix.F
-        base = I[I_BASE]
         if not c.quality_cap:
-            I[I_CAP] = base
+            ix.I[I_CAP] = ix.I[I_BASE]
             return
-        rates = [adm.class_solo_tps(model, cls, c, r.rings) for cls in ix.classes] or [None]
-        has_t = np.array([x is not None for x in rates])
-        rate_t = np.array([x if x is not None else 0.0 for x in rates])
-        cls = I[I_CLS]
-        per_model = has_t[cls]
-        rate = np.where(per_model, rate_t[cls], F[F_SOLO_STATIC])
-        skip = ~ix.B[B_DECPOS] & ~per_model
-        if ix.pattern is not None:
-            skip[:] = False
+        across = r.rings.solo.min_across_chips(model)
+        rates = [adm.class_solo_tps(model, cls, c, r.rings, across) for cls in ix.classes] or [None]
+        has_rate = np.array([x is not None for x in rates])
+        rates = np.array([x if x is not None else 0.0 for x in rates])
         try:
             fallback = float(c.fallback_concurrency)
         except OverflowError:
             ix.broken = True
             return
-        basef = base.astype(np.float64)
-        limit = np.maximum(1.0, np.where(base > 0, basef, fallback))
-        floor, k = c.decode_floor, c.k
-        with np.errstate(all="ignore"):
-            if floor <= 0 or k <= 0:
-                qc = limit
-            else:
-                b = np.floor((rate / floor - 1) / k)
-                used = ~skip & (rate > floor)
-                if not np.isfinite(b[used]).all():
-                    ix.broken = True  # math.floor would raise: let the scalar path say so
-                    return
-                qc = np.where(rate <= 0, limit, np.where(rate <= floor, 1.0, np.maximum(1.0, np.minimum(limit, b))))
-            prod = qc * c.overcommit_for(model)
-        if not np.isfinite(prod[~skip]).all():
+        if not kernel.refresh_cap(ix.F, ix.I, ix.B, has_rate, rates, ix.pattern is not None, fallback,
+                                  float(c.decode_floor), float(c.k), float(c.overcommit_for(model))):
             ix.broken = True
-            return
-        capped = np.maximum(1.0, np.ceil(prod))
-        I[I_CAP] = np.where(skip, basef, np.minimum(capped, basef)).astype(np.int64)
 
     # === the decision =============================================================================
     def scan(self, req) -> FastScan | None:
@@ -597,8 +570,7 @@ class FastPath:
             self.stats["declined_index"] += 1
             return None
         self.stats["scans"] += 1
-        with np.errstate(all="ignore"):
-            return self._scan(req, ix, P, R)
+        return self._scan(req, ix, P, R)  # compiled with numpy's error model: no warnings to silence
 
     def _scan(self, req, ix: ModelIndex, P: int, R: int) -> FastScan:
         r = self.router
@@ -659,21 +631,11 @@ class FastPath:
         c = r.config
         ix = res.ix
         F, I, Bc = ix.F, ix.I, ix.B
-        pool = res.cand
-        if req.prefer_owner and res.owned is not None:
-            x = pool & res.owned
-            if x.any():
-                pool = x
-        if req.avoid_version:
-            code = ix.ver_codes.get(req.avoid_version)
-            if code is not None:
-                x = pool & (I[I_VER] != code)
-                if x.any():
-                    pool = x
-        if req.min_decode_tps > 0:
-            x = pool & (F[F_PROJ] >= req.min_decode_tps)
-            if x.any():
-                pool = x
+        avoid = ix.ver_codes.get(req.avoid_version, -1) if req.avoid_version else -1
+        owned = res.owned if res.owned is not None else NO_ROWS
+        pool, best, equivalent = kernel.narrow_and_cheapest(
+            res.cand, owned, bool(req.prefer_owner and res.owned is not None), avoid,
+            float(req.min_decode_tps), F, I, res.cost, res.npend, NEAR_TIE_MS)
         aff = res.affinity_pid
         aff_row = ix.row_of.get(aff) if aff is not None else None
         if c.band:
@@ -692,7 +654,6 @@ class FastPath:
         # winner = first near-tie with the lowest (effective queue, total pending) key. `equivalent`
         # of domain §2.16 step 4 is exactly those rows: every near-tie cost lies in
         # [best, best + 3000], so any two are within 3000 of each other (rounding is monotonic).
-        best, equivalent = kernel.cheapest(pool, res.cost, I, res.npend, NEAR_TIE_MS)
         if not math.isfinite(best):
             self.stats["declined_cost"] += 1
             return None

@@ -15,12 +15,12 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .candidates import (B_EFFRING, B_GATEOWN, B_GATEPUB, B_GATESELF, B_HASBC, B_HASMC, B_KVS, B_LM,
+from .candidates import (B_DECPOS, B_EFFRING, B_PFRING, B_GATEOWN, B_GATEPUB, B_GATESELF, B_HASBC, B_HASMC, B_KVS, B_LM,
                          B_LMFFL, B_LMFFLOK, B_LMUNL, B_NOBC, B_OKSTATE, B_PREPUB, B_TL, B_VISION,
                          F_CPEN, F_D1, F_EFF, F_HEALTH, F_KQ, F_LM_B, F_LM_L, F_LM_SIZE, F_LM_TOTAL,
-                         F_PEN, F_PF, F_PFT, F_RATIO, F_SPF, F_STATIC_EFF, I_ACCT, I_BLNUM, I_BLPEND,
+                         F_FB_PF, F_PEN, F_PF, F_PFT, F_PROJ, F_RATIO, F_SOLO_STATIC, F_SPF, F_STATIC_EFF, I_ACCT, I_BASE, I_CLS, I_FBSRC, I_BLNUM, I_BLPEND,
                          I_BLPOT, I_BLWAIT, I_BOXMAX, I_CAP, I_EQ, I_FAM, I_GIDX, I_LOAD, I_RATE,
-                         I_SRC, I_THR, I_W, NB, NF, NI)
+                         I_SRC, I_THR, I_VER, I_W, NB, NF, NI)
 from .estimates import PENDING_MS
 
 
@@ -189,6 +189,29 @@ def cost(F, I, npend, P, R, long_prompt, long_weight):
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
+def _narrowed(pool, keep):
+    """pool & keep when that leaves a row, else pool."""
+    x = pool & keep
+    return x if x.any() else pool
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def narrow_and_cheapest(cand, owned, prefer_owner, avoid_code, min_decode, F, I, cost, npend, near_tie_ms):
+    """Narrowing (domain §2.12: owned rows, then rows of another version than `avoid_code`, then
+    rows fast enough, each only if any row is left), then `cheapest` on what is left. Returns
+    (pool, lowest cost, equivalent rows)."""
+    pool = cand
+    if prefer_owner:
+        pool = _narrowed(pool, owned)
+    if avoid_code >= 0:
+        pool = _narrowed(pool, I[I_VER] != avoid_code)
+    if min_decode > 0:
+        pool = _narrowed(pool, F[F_PROJ] >= min_decode)
+    best, equivalent = cheapest(pool, cost, I, npend, near_tie_ms)
+    return pool, best, equivalent
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
 def cheapest(pool, cost, I, npend, near_tie_ms):
     """Selection among the pool by cost (domain §2.16): (lowest cost, the rows within
     `near_tie_ms` of it that share the lowest (effective queue, total pending) key, in row order).
@@ -240,6 +263,52 @@ def gather_ratio(F, I, table):
         F[F_RATIO, i] = table[I[I_FAM, i], I[I_SRC, i]]
 
 
+@njit(cache=True, error_model="numpy", nogil=True)
+def refresh_prefill(F, I, B, medians, counts, min_samples, max_prefill, median_code):
+    """Rows that read the prefill median (B_PFRING): their class's median when it is positive and
+    has `min_samples`, else their fallback rate and source; capped at `max_prefill`."""
+    for i in range(F.shape[1]):
+        if B[B_PFRING, i]:
+            c = I[I_CLS, i]
+            med = medians[c]
+            ok = med > 0 and counts[c] >= min_samples
+            pf = np.minimum(med if ok else F[F_FB_PF, i], max_prefill)
+            F[F_PF, i] = pf
+            I[I_SRC, i] = median_code if ok else I[I_FBSRC, i]
+            F[F_PFT, i] = pf if pf > 0 else 1.0
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def refresh_cap(F, I, B, has_rate, rates, dedicated, fallback, floor, k, overcommit):
+    """The quality cap of every row (domain §2.6; `admission.effective_cap`): the class's solo
+    rate, else the static one, bucketed by the decode floor, times the overcommit, at most the
+    slot's base. False when a value is not finite (math.floor would raise: the scalar path decides)."""
+    for i in range(F.shape[1]):
+        base = I[I_BASE, i]
+        cls = I[I_CLS, i]
+        per_model = has_rate[cls]
+        if not (B[B_DECPOS, i] or per_model or dedicated):
+            I[I_CAP, i] = base
+            continue
+        rate = rates[cls] if per_model else F[F_SOLO_STATIC, i]
+        basef = float(base)
+        limit = max(1.0, basef if base > 0 else fallback)
+        if floor <= 0 or k <= 0 or rate <= 0:
+            qc = limit
+        elif rate <= floor:
+            qc = 1.0
+        else:
+            b = np.floor((rate / floor - 1) / k)
+            if not np.isfinite(b):
+                return False
+            qc = max(1.0, min(limit, b))
+        prod = qc * overcommit
+        if not np.isfinite(prod):
+            return False
+        I[I_CAP, i] = int(min(max(1.0, np.ceil(prod)), basef))
+    return True
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) every loop for the column types the fast path uses,
     so a worker's first decision does not wait for it (≈ 2.5 s without a cache, 0.3 s with)."""
@@ -248,6 +317,8 @@ def warm_up() -> None:
     one, mask = np.ones(1, dtype=np.int64), np.ones(1, dtype=np.bool_)
     for keep in (mask, np.zeros(0, dtype=np.bool_)):
         out = scan(F, I, B, one, one, 0, False, True, keep, 1, 1, 0.5, True, 1.0, True, 1.0)
-    cheapest(mask, out[-1], I, one, 3000.0)
+    narrow_and_cheapest(mask, mask, True, 0, 1.0, F, I, out[-1], one, 3000.0)
     refresh_decode(F, I, B, np.ones(1))
     gather_ratio(F, I, np.ones((1, 4)))
+    refresh_prefill(F, I, B, np.ones(1), one, 5, 20000.0, 1)
+    refresh_cap(F, I, B, mask, np.ones(1), False, 4.0, 15.0, 1.0, 1.0)

@@ -213,7 +213,8 @@ def _seed_calibrator(router: Router, line: dict) -> None:
     for _ in range(WARM_UP):
         ring.record(line["ratio"])
     cal.observations += WARM_UP
-    cal.versions[line["model"], line["source"]] = cal.versions.get((line["model"], line["source"]), 0) + WARM_UP
+    counts = cal.versions.setdefault(line["model"], {})
+    counts[line["source"]] = counts.get(line["source"], 0) + WARM_UP
 
 
 def run_both(lines: list[dict]) -> tuple[Router, Router]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from fastavro import parse_schema, reader, writer
 
+from replay.run import batch_gc
 from streams import codec
 from streams.jsonl import read_journal
 from streams.router import Router
@@ -63,7 +64,7 @@ def same_entries(avro: Path, jsonl: Path) -> bool:
 
 
 def replay(path: Path) -> tuple[int, float, Counter]:
-    router = Router()
+    router = Router(track_changes=False)
     outcomes: Counter = Counter()
     t0 = time.perf_counter()
     with path.open("rb") as fp:
@@ -84,6 +85,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=46.0, help="requests per second")
     ap.add_argument("--workdir", default="out/bench/replay")
     args = ap.parse_args()
+    batch_gc()  # as `python -m replay` does
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     jsonl = work / f"journal-{args.providers}p-{args.hours}h.jsonl"

@@ -20,7 +20,7 @@ from streams.jsonl import write_record
 
 from . import audit as audit_mod
 from . import explain as explain_mod
-from .run import decisions
+from .run import batch_gc, decisions
 from .sources import JournalFile, kafka_decisions, kafka_journal, kafka_records
 
 
@@ -191,6 +191,7 @@ def main(argv=None) -> int:
     p.set_defaults(func=cmd_whatif)
 
     args = ap.parse_args(argv)
+    batch_gc()
     return args.func(args)
 
 

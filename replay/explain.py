@@ -23,7 +23,7 @@ VERDICTS = {
 
 def explain(entries: Iterable[JournalEntry], request_id: str, attempt: int | None = None,
             config: Config = DEFAULT) -> dict | None:
-    router = Router(config)
+    router = Router(config, track_changes=False)
     for entry in entries:
         rec = entry.record
         is_target = (entry.type == "RouteRequest" and rec.get("request_id") == request_id

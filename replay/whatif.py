@@ -72,7 +72,7 @@ def _rates(record: dict) -> tuple[float, float]:
 
 
 def recorded_run(entries: list[JournalEntry], progress=None) -> Run:
-    router, run = Router(), Run()
+    router, run = Router(track_changes=False), Run()
     for e in entries:
         for kind, rec in router.apply(e.journal_offset, e.journal_time_ms, e.type, e.record):
             if kind == "RouteDecision":
@@ -115,7 +115,7 @@ def what_if(entries: Iterable[JournalEntry], settings: dict[str, str], progress=
     changes.sort()
     reserved_at = {(r["request_id"], r["attempt"]): r for r in recorded.reservations}
 
-    router, run = Router(), Run()
+    router, run = Router(track_changes=False), Run()
     inflight: dict[tuple, list] = defaultdict(lambda: [0, 0])   # (pid, model) -> [what-if − recorded, tokens]
     pending: list = []                                          # heap of (time, seq, completion)
     seq, ci, offset = 0, 0, 0

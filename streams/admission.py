@@ -27,17 +27,15 @@ def quality_concurrency(solo: float, floor: float, k: float, base: int, fallback
     return max(1, min(limit, b))
 
 
-def class_solo_tps(model: str, chip_class: str, config: Config, rings: TpsRegistry,
-                   across: tuple | None = None) -> float | None:
+def class_solo_tps(model: str, chip_class: str, config: Config, rings: TpsRegistry) -> float | None:
     """The per-model solo rate for a chip class: own class median → min of class medians → seed;
-    None when none applies (the provider's static rate is used then). `across`: the model's
-    `min_across_chips`, when the caller asks for many classes at once."""
+    None when none applies (the provider's static rate is used then)."""
     if not config.per_model_tps:
         return None
     median, n = rings.solo.stats(model, chip_class)
     if n >= config.solo_min_samples and median > 0:
         return median
-    cross, total, _ = across or rings.solo.min_across_chips(model)
+    cross, total, _ = rings.solo.min_across_chips(model)
     if total >= config.solo_min_samples and cross > 0:
         return cross  # rules §8: min of class medians, no seed clamp
     return config.solo_seed.get(model.lower())

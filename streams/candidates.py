@@ -540,8 +540,7 @@ class FastPath:
         if not c.quality_cap:
             ix.I[I_CAP] = ix.I[I_BASE]
             return
-        across = r.rings.solo.min_across_chips(model)
-        rates = [adm.class_solo_tps(model, cls, c, r.rings, across) for cls in ix.classes] or [None]
+        rates = [adm.class_solo_tps(model, cls, c, r.rings) for cls in ix.classes] or [None]
         has_rate = np.array([x is not None for x in rates])
         rates = np.array([x if x is not None else 0.0 for x in rates])
         try:

@@ -58,7 +58,7 @@ class SampleRing:
 class RingFamily:
     """Rings keyed by (model, chip key). Empty model ids and non-positive samples are ignored."""
 
-    __slots__ = ("rings", "by_model", "versions", "dirty")
+    __slots__ = ("rings", "by_model", "versions", "dirty", "across")
 
     def __init__(self):
         self.dirty: set[tuple[str, str]] = set()  # rings changed since the owner last persisted
@@ -66,6 +66,7 @@ class RingFamily:
         self.by_model: dict[str, dict[str, SampleRing]] = {}
         # model -> number of samples stored so far: a change marker for the candidate indexes
         self.versions: dict[str, int] = {}
+        self.across: dict[str, tuple[int, tuple[float, int, int]]] = {}  # model -> (version, min_across_chips)
 
     def record(self, model: str, chip: str, value: float) -> bool:
         if not model or not value > 0:
@@ -84,6 +85,7 @@ class RingFamily:
         ring = self.rings[(model, chip)] = SampleRing(samples=samples)
         self.by_model.setdefault(model, {})[chip] = ring
         self.versions[model] = self.versions.get(model, 0) + len(ring)
+        self.across.pop(model, None)
 
     def version(self, model: str) -> int:
         return self.versions.get(model, 0)
@@ -97,7 +99,12 @@ class RingFamily:
         return ring.median if ring is not None else 0.0
 
     def min_across_chips(self, model: str) -> tuple[float, int, int]:
-        """(minimum of the positive per-chip medians, total samples, chips with a positive median)."""
+        """(minimum of the positive per-chip medians, total samples, chips with a positive median);
+        memoised per model version (a quality-cap refresh asks once per chip class)."""
+        version = self.versions.get(model, 0)
+        hit = self.across.get(model)
+        if hit is not None and hit[0] == version:
+            return hit[1]
         best, total, classes = 0.0, 0, 0
         for ring in self.by_model.get(model, {}).values():
             total += len(ring)
@@ -106,6 +113,7 @@ class RingFamily:
                 classes += 1
                 if best == 0.0 or m < best:
                     best = m
+        self.across[model] = (version, (best, total, classes))
         return best, total, classes
 
 

@@ -121,11 +121,30 @@ class Queued:
     enqueued_at_ms: float
 
 
+class _NoChanges:
+    """A dirty-key set that keeps nothing: an offline replay persists no state."""
+    __slots__ = ()
+
+    def add(self, key) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self):
+        return iter(())
+
+    def clear(self) -> None:
+        pass
+
+
 class Router:
     """`fast=False` keeps every decision on the scalar scan (the reference the fast path is tested
-    against, and what `explain` traces)."""
+    against, and what `explain` traces). `track_changes=False` (offline replays) keeps no record of
+    the persistence keys each entry changed: nothing would collect them, and over a day they grow
+    to millions."""
 
-    def __init__(self, config: Config = DEFAULT, fast: bool = True):
+    def __init__(self, config: Config = DEFAULT, fast: bool = True, track_changes: bool = True):
         self.fast: FastPath | None = None
         self.config = config
         self.now = 0
@@ -150,6 +169,10 @@ class Router:
         self.liveness_seq: dict[str, int] = {}
         self.affinity_seq: dict[tuple, int] = {}
         self.fast = FastPath(self) if fast else None
+        if not track_changes:
+            self.dirty = self.calibrator.dirty = self.serves.dirty = _NoChanges()
+            for family in (self.rings.decode, self.rings.solo, self.rings.prefill):
+                family.dirty = self.dirty
 
     @property
     def config(self) -> Config:
@@ -205,8 +228,11 @@ class Router:
             self._drop_provider(pid, out)
 
     def _expire_queue_timeouts(self, out: list) -> None:
+        queued = [m for m, q in self.queues.items() if q]
+        if not queued:
+            return
         wait = self.config.queue_max_wait_ms
-        for model in sorted(m for m, q in self.queues.items() if q):
+        for model in sorted(queued):
             q = self.queues[model]
             while q and self.now - q[0].enqueued_at_ms > wait:
                 item = q.popleft()

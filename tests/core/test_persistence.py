@@ -57,3 +57,13 @@ def test_an_entry_writes_only_a_few_keys():
         save(router, table)
     assert max(widths) < 40 and sum(widths) / len(widths) < 8
     assert len(table) > 50
+
+
+def test_an_offline_router_keeps_no_changed_keys_and_decides_the_same():
+    items = list(entries(journal(11, 12, 300)))
+    tracked, offline = Router(), Router(track_changes=False)
+    for offset, kind, record in items:
+        assert offline.apply(offset, None, kind, dict(record)) == tracked.apply(offset, None, kind, dict(record))
+    assert tracked.take_dirty()
+    assert not offline.take_dirty()
+    assert snapshot(offline) == snapshot(tracked)

@@ -1,7 +1,7 @@
 """The fast path of the candidate scan (domain §2.12): per-model candidate indexes whose columns hold,
 for every provider advertising the model, the request-independent part of its evaluation, so a
-decision is a few passes of compiled loops over the columns (streams/scan_kernel.py) and some numpy
-operations instead of a Python loop over candidates.
+decision is one call of compiled loops over the columns (streams/scan_kernel.py) instead of a
+Python loop over candidates.
 
 Layout. One `ModelIndex` per model that has been decided at least once: rows in ascending provider
 id (the scan order of rules §2), columns in three 2-D arrays (float64 `F`, int64 `I`, bool `B`,
@@ -15,9 +15,11 @@ Keeping it current:
 - a reservation or release updates the provider's fleet-wide cells and its row for that model;
 - a provider joining or leaving (or a new session) marks the indexes of its models for a re-layout
   (done lazily at the next decision; rows of unchanged providers are kept);
-- values read from the rings (fleet decode median, prefill median, solo rates for the quality cap)
-  and the calibrator ratios are refreshed per index, vectorised, when the ring family's per-model
-  version (for the calibrator ratios: the model's own observation count) moved since the last refresh;
+- the fleet decode medians and the calibrator ratios are small tables per index (by family, and
+  by family and prefill source) that the scan reads through each row's codes; they, and the
+  columns that read the prefill medians and the solo rates (the quality cap), are refreshed before
+  a scan when the ring family's per-model version (for the ratios: the model's observation count
+  per prefill source) moved since the last refresh;
 - a config change drops every index (rebuilt on the next decision for each model).
 
 Exactness. Request-dependent arithmetic is element-wise IEEE float64 in the formulas' written
@@ -51,11 +53,13 @@ SRC = {s: i for i, s in enumerate(SOURCES)}
 NEAR_TIE_MS = 3_000.0
 NO_ROWS = np.zeros(0, dtype=bool)  # no allowed/excluded mask
 NO_OBSERVATIONS: dict = {}
+ONE_RATIO = np.ones((1, len(SOURCES)))  # the ratio table before the first refresh (or uncalibrated)
+NO_MEDIANS = np.zeros(0)
 
 # float columns
-(F_PEN, F_KQ, F_EFF, F_D1, F_PF, F_PFT, F_SPF, F_HEALTH, F_PROJ, F_RATIO, F_STATIC_EFF, F_FB_PF,
- F_SOLO_STATIC, F_CPEN, F_LM_L, F_LM_B, F_LM_SIZE, F_LM_TOTAL) = range(18)
-NF = 18
+(F_PEN, F_KQ, F_EFF, F_PF, F_PFT, F_SPF, F_HEALTH, F_PROJ, F_STATIC_EFF, F_FB_PF,
+ F_SOLO_STATIC, F_CPEN, F_LM_L, F_LM_B, F_LM_SIZE, F_LM_TOTAL) = range(16)
+NF = 16
 # int columns
 (I_GIDX, I_LOAD, I_CAP, I_BOXMAX, I_BASE, I_EQ, I_W, I_THR, I_RATE, I_BLNUM, I_BLWAIT, I_BLPOT,
  I_BLPEND, I_FAM, I_CLS, I_SRC, I_FBSRC, I_VER, I_ACCT) = range(19)
@@ -87,7 +91,8 @@ class ModelIndex:
 
     __slots__ = ("model", "n", "pids", "provs", "row_of", "F", "I", "B", "layout_dirty", "broken",
                  "fam_codes", "fams", "cls_codes", "classes", "ver_codes", "acct_codes",
-                 "seen_decode", "seen_prefill", "seen_solo", "seen_calib", "ratio_one", "ratio_table",
+                 "seen_decode", "seen_prefill", "seen_solo", "seen_calib", "ratio_table",
+                 "decode_medians",
                  "floor", "pattern", "solo_rates", "solo_rates_version")
 
     def __init__(self, model: str):
@@ -109,8 +114,8 @@ class ModelIndex:
         self.acct_codes: dict[str, int] = {}
         self.seen_decode = self.seen_prefill = self.seen_solo = -1
         self.seen_calib: dict | None = None  # calibrator versions per source, as of the ratio column
-        self.ratio_table = None  # calibrator ratio per (family code, source)
-        self.ratio_one = True
+        self.ratio_table = ONE_RATIO  # calibrator ratio per (family code, source), read by the scan
+        self.decode_medians = NO_MEDIANS  # fleet decode median per family code, read by the scan
         self.floor = None
         self.pattern = None
         self.solo_rates: dict[str, float | None] = {}  # chip class -> class_solo_tps, for row builds
@@ -337,8 +342,6 @@ class FastPath:
         ix.F[:, i] = f
         ix.I[:, i] = n
         ix.B[:, i] = b
-        if f[F_RATIO] != 1.0:
-            ix.ratio_one = False
 
     def _row(self, ix: ModelIndex, p, pv: tuple) -> tuple[tuple, tuple, tuple]:
         r = self.router
@@ -408,15 +411,14 @@ class FastPath:
         pf, src = est.resolve_prefill(p, model, slot, c, rings, recal)
         fb_pf, fb_src = est.prefill_fallback(p, c, recal)
         static_eff = est.static_effective_tps(p, slot, c)
-        ratio = r.calibrator.ratio(model, p.family, src) if c.ttft_calibration else 1.0
         proj = est.projected_decode_tps(p, slot, c)
         fam = ix.code(ix.fam_codes, ix.fams, p.family)
         cls = ix.code(ix.cls_codes, ix.classes, p.chip_class)
         ver = ix.code(ix.ver_codes, None, p.version)
         acct = ix.code(ix.acct_codes, None, p.account_id) if p.account_id is not None else -1
         has_bc = b is not None
-        f = (pen, pen + est.QUEUE_MS * eq, eff, 1000 / (eff if eff > 0 else 1.0), pf, pf if pf > 0 else 1.0,
-             spf, health, proj, ratio, static_eff, fb_pf, static_decode, 0.0 if loaded else pen,
+        f = (pen, pen + est.QUEUE_MS * eq, eff, pf, pf if pf > 0 else 1.0,
+             spf, health, proj, static_eff, fb_pf, static_decode, 0.0 if loaded else pen,
              total - active, 0.0 if loaded else size, size, total)
         n = (self.gidx[p.provider_id], eq if has_mc else 0, cap, box_max, base, eq,
              waiting + max(0, pbm - rw), thr, rate, blnum, blwait, blpot, blpend, fam, cls, SRC[src],
@@ -483,9 +485,9 @@ class FastPath:
         if ix.n == 0:
             return
         v = rings.decode.version(model)
-        if v != ix.seen_decode:
+        if v != ix.seen_decode or len(ix.decode_medians) < len(ix.fams):
             ix.seen_decode = v
-            self._refresh_decode(ix)
+            ix.decode_medians = np.array([rings.decode.median(model, fam) for fam in ix.fams])
         v = rings.prefill.version(model)
         if v != ix.seen_prefill:
             ix.seen_prefill = v
@@ -495,15 +497,13 @@ class FastPath:
             ix.seen_solo = v
             self._refresh_cap(ix)
         seen = r.calibrator.versions.get(model, NO_OBSERVATIONS)
-        if seen != ix.seen_calib:
+        if len(ix.ratio_table) < len(ix.fams):  # a family new to the index: every ratio
+            ix.seen_calib = dict(seen)
+            self._refresh_ratio(ix)
+        elif seen != ix.seen_calib:
             old, ix.seen_calib = ix.seen_calib, dict(seen)
             self._refresh_ratio(ix, None if old is None else [
                 i for i, s in enumerate(SOURCES) if seen.get(s) != old.get(s)])
-
-    def _refresh_decode(self, ix: ModelIndex) -> None:
-        rings = self.router.rings
-        medians = np.array([rings.decode.median(ix.model, fam) for fam in ix.fams] or [0.0])
-        kernel.refresh_decode(ix.F, ix.I, ix.B, medians)
 
     def _refresh_prefill(self, ix: ModelIndex) -> None:
         c = self.router.config
@@ -515,23 +515,21 @@ class FastPath:
         kernel.refresh_prefill(ix.F, ix.I, ix.B, np.array([s[0] for s in stats]),
                                np.array([s[1] for s in stats], dtype=np.int64), c.prefill_min_samples,
                                float(c.max_prefill_tps), SRC["median"])
-        self._refresh_ratio(ix, [])  # rows' sources moved; the (family, source) ratios did not
 
     def _refresh_ratio(self, ix: ModelIndex, sources: list[int] | None = None) -> None:
-        """The ratio column from the calibrator: every (family, source) pair, or only the `sources`
-        whose windows moved when the cached table still covers every family."""
+        """The calibrator ratio of every (family, source) pair, or of the `sources` whose windows
+        moved (ratio(model, ·, source) reads only that source's windows). The scan reads the table
+        by each row's family and prefill source."""
         r = self.router
         if not r.config.ttft_calibration:
             return
         cal, model, table = r.calibrator, ix.model, ix.ratio_table
-        if sources is None or table is None or len(table) != max(1, len(ix.fams)):
-            table = np.array([[cal.ratio(model, fam, s) for s in SOURCES] for fam in ix.fams] or [[1.0] * 4])
+        if sources is None:
+            table = np.array([[cal.ratio(model, fam, s) for s in SOURCES] for fam in ix.fams] or ONE_RATIO)
         else:
             for si in sources:
                 table[:len(ix.fams), si] = [cal.ratio(model, fam, SOURCES[si]) for fam in ix.fams]
         ix.ratio_table = table
-        kernel.gather_ratio(ix.F, ix.I, table)
-        ix.ratio_one = bool((table == 1.0).all())
 
     def _refresh_cap(self, ix: ModelIndex) -> None:
         """The quality cap of every row (domain §2.6), compiled; mirrors `admission.effective_cap`."""
@@ -596,8 +594,8 @@ class FastPath:
         long_prompt = c.long_prompt_tokens > 0 and P >= c.long_prompt_tokens
         (res.npend, owned, res.adm, n_elig, n_ph, res.too_large, n_kvs, n_adm, res.raw, res.ttft, cand,
          res.ttft_rejections, best, no_bc, cost) = kernel.scan(
-            ix.F, ix.I, ix.B, self.npend, self.pool, acct, req.self_route_only, req.requires_vision, keep,
-            P, R, kv_gb, c.ttft_calibration and not ix.ratio_one, float(req.max_ttft_ms), long_prompt,
+            ix.F, ix.I, ix.B, ix.decode_medians, ix.ratio_table, self.npend, self.pool, acct, req.self_route_only, req.requires_vision, keep,
+            P, R, kv_gb, c.ttft_calibration, float(req.max_ttft_ms), long_prompt,
             float(c.long_prompt_weight - 1))
         if acct >= 0:
             res.owned = owned

@@ -17,15 +17,15 @@ from numba import njit
 
 from .candidates import (B_DECPOS, B_EFFRING, B_PFRING, B_GATEOWN, B_GATEPUB, B_GATESELF, B_HASBC, B_HASMC, B_KVS, B_LM,
                          B_LMFFL, B_LMFFLOK, B_LMUNL, B_NOBC, B_OKSTATE, B_PREPUB, B_TL, B_VISION,
-                         F_CPEN, F_D1, F_EFF, F_HEALTH, F_KQ, F_LM_B, F_LM_L, F_LM_SIZE, F_LM_TOTAL,
-                         F_FB_PF, F_PEN, F_PF, F_PFT, F_PROJ, F_RATIO, F_SOLO_STATIC, F_SPF, F_STATIC_EFF, I_ACCT, I_BASE, I_CLS, I_FBSRC, I_BLNUM, I_BLPEND,
+                         F_CPEN, F_EFF, F_HEALTH, F_KQ, F_LM_B, F_LM_L, F_LM_SIZE, F_LM_TOTAL,
+                         F_FB_PF, F_PEN, F_PF, F_PFT, F_PROJ, F_SOLO_STATIC, F_SPF, F_STATIC_EFF, I_ACCT, I_BASE, I_CLS, I_FBSRC, I_BLNUM, I_BLPEND,
                          I_BLPOT, I_BLWAIT, I_BOXMAX, I_CAP, I_EQ, I_FAM, I_GIDX, I_LOAD, I_RATE,
                          I_SRC, I_THR, I_VER, I_W, NB, NF, NI)
 from .estimates import PENDING_MS
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def scan(F, I, B, npend_all, pool_all, acct, self_route, vision, keep, P, R, kv_gb, calibrate, max_ttft,
+def scan(F, I, B, medians, ratios, npend_all, pool_all, acct, self_route, vision, keep, P, R, kv_gb, calibrate, max_ttft,
          long_prompt, long_weight):
     """The whole scan of one request in one call (a call into compiled code costs a few µs, as
     much as a stage's loop): gather the fleet-wide cells, the gates (domain §2.2), then admission,
@@ -60,9 +60,10 @@ def scan(F, I, B, npend_all, pool_all, acct, self_route, vision, keep, P, R, kv_
     n_adm = 0
     for i in range(n):
         n_adm += admitted[i]
-    raw, calibrated = ttft(F, I, B, P, calibrate)
+    eff = decode_rates(F, I, B, medians)
+    raw, calibrated = ttft(F, I, B, eff, ratios, P, calibrate)
     cand, rejected, best, no_bc = ttft_gate(B, admitted, calibrated, max_ttft)
-    c = cost(F, I, npend, P, R, long_prompt, long_weight)
+    c = cost(F, I, eff, npend, P, R, long_prompt, long_weight)
     return (npend, owned, admitted, n_elig, n_ph, too_large, n_kvs, n_adm, raw, calibrated, cand, rejected,
             best, no_bc, c)
 
@@ -101,8 +102,25 @@ def admission(F, I, B, elig, npend, pool, T, kv_gb):
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def ttft(F, I, B, P, calibrate):
-    """Raw and calibrated TTFT of every row (domain §2.13)."""
+def decode_rates(F, I, B, medians):
+    """Every row's decode rate (`estimates.effective_tps`): its slot's observed rate (the column),
+    else the fleet median of its family when positive, else its static rate. (A compiled call per
+    row would cost more than the loop: numba does not inline it.)"""
+    n = F.shape[1]
+    eff = np.empty(n)
+    for i in range(n):
+        if B[B_EFFRING, i]:
+            med = medians[I[I_FAM, i]]
+            eff[i] = med if med > 0 else F[F_STATIC_EFF, i]
+        else:
+            eff[i] = F[F_EFF, i]
+    return eff
+
+
+@njit(cache=True, error_model="numpy", nogil=True)
+def ttft(F, I, B, eff, ratios, P, calibrate):
+    """Raw and calibrated TTFT of every row (domain §2.13); `ratios` is the calibrator's ratio by
+    (family code, prefill source code)."""
     n = F.shape[1]
     raw = np.empty(n)
     w_any = False
@@ -114,10 +132,11 @@ def ttft(F, I, B, P, calibrate):
     finite = True
     for i in range(n):
         pft = F[F_PFT, i]
+        d1 = 1000 / (eff[i] if eff[i] > 0 else 1.0)
         if with_w:
-            x = F[F_PEN, i] + P * I[I_W, i] / pft * 1000 + P / pft * 1000 + F[F_D1, i]
+            x = F[F_PEN, i] + P * I[I_W, i] / pft * 1000 + P / pft * 1000 + d1
         else:
-            x = F[F_PEN, i] + P / pft * 1000 + F[F_D1, i]
+            x = F[F_PEN, i] + P / pft * 1000 + d1
         raw[i] = x
         if not np.isfinite(x):
             finite = False
@@ -133,7 +152,7 @@ def ttft(F, I, B, P, calibrate):
         return raw, raw
     out = np.empty(n)
     for i in range(n):
-        x, ratio, pen = raw[i], F[F_RATIO, i], F[F_PEN, i]
+        x, ratio, pen = raw[i], ratios[I[I_FAM, i], I[I_SRC, i]], F[F_PEN, i]
         if x <= 0 or ratio == 1.0:
             out[i] = x
         elif 0 <= pen and pen < x:
@@ -169,22 +188,22 @@ def ttft_gate(B, admitted, ttft, max_ttft):
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def cost(F, I, npend, P, R, long_prompt, long_weight):
+def cost(F, I, eff, npend, P, R, long_prompt, long_weight):
     """Cost of every row (domain §2.11), without the affinity bonus."""
     n = F.shape[1]
     out = np.empty(n)
     for i in range(n):
-        eff = F[F_EFF, i]
+        rate = eff[i]
         num = I[I_BLNUM, i]
         wait = I[I_BLWAIT, i]
         if wait > 0:
             wr = wait * R
             pot = I[I_BLPOT, i]
             num = pot + wr + max(0, I[I_BLPEND, i] - pot - wr)
-        this_req = P / F[F_SPF, i] * 1000 + R / eff * 1000
+        this_req = P / F[F_SPF, i] * 1000 + R / rate * 1000
         if long_prompt:
             this_req = this_req + long_weight * (P / F[F_PF, i] * 1000 + F[F_CPEN, i])
-        out[i] = F[F_KQ, i] + PENDING_MS * npend[i] + num / eff * 1000 + this_req + F[F_HEALTH, i]
+        out[i] = F[F_KQ, i] + PENDING_MS * npend[i] + num / rate * 1000 + this_req + F[F_HEALTH, i]
     return out
 
 
@@ -245,25 +264,6 @@ def cheapest(pool, cost, I, npend, near_tie_ms):
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def refresh_decode(F, I, B, medians):
-    """Rows that read the fleet decode median (B_EFFRING): their family's median when positive, else
-    their static rate; and 1000 / rate for the TTFT (as `estimates.effective_tps` and `_row`)."""
-    for i in range(F.shape[1]):
-        if B[B_EFFRING, i]:
-            med = medians[I[I_FAM, i]]
-            eff = med if med > 0 else F[F_STATIC_EFF, i]
-            F[F_EFF, i] = eff
-            F[F_D1, i] = 1000 / (eff if eff > 0 else 1.0)
-
-
-@njit(cache=True, error_model="numpy", nogil=True)
-def gather_ratio(F, I, table):
-    """The calibrator ratio of every row from the (family, source) table."""
-    for i in range(F.shape[1]):
-        F[F_RATIO, i] = table[I[I_FAM, i], I[I_SRC, i]]
-
-
-@njit(cache=True, error_model="numpy", nogil=True)
 def refresh_prefill(F, I, B, medians, counts, min_samples, max_prefill, median_code):
     """Rows that read the prefill median (B_PFRING): their class's median when it is positive and
     has `min_samples`, else their fallback rate and source; capped at `max_prefill`."""
@@ -316,9 +316,7 @@ def warm_up() -> None:
     I[:] = 0
     one, mask = np.ones(1, dtype=np.int64), np.ones(1, dtype=np.bool_)
     for keep in (mask, np.zeros(0, dtype=np.bool_)):
-        out = scan(F, I, B, one, one, 0, False, True, keep, 1, 1, 0.5, True, 1.0, True, 1.0)
+        out = scan(F, I, B, np.ones(1), np.ones((1, 4)), one, one, 0, False, True, keep, 1, 1, 0.5, True, 1.0, True, 1.0)
     narrow_and_cheapest(mask, mask, True, 0, 1.0, F, I, out[-1], one, 3000.0)
-    refresh_decode(F, I, B, np.ones(1))
-    gather_ratio(F, I, np.ones((1, 4)))
     refresh_prefill(F, I, B, np.ones(1), one, 5, 20000.0, 1)
     refresh_cap(F, I, B, mask, np.ones(1), False, 4.0, 15.0, 1.0, 1.0)

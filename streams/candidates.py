@@ -154,12 +154,13 @@ class FastScan:
         ix = self.ix
         p = ix.provs[i]
         has_bc = p.backend is not None
+        f, n = ix.F[:, i].tolist(), ix.I[:, i].tolist()  # one conversion each, not one per cell
         return dict(
-            p=p, slot=p.backend.by_model.get(ix.model) if has_bc else None, cost=self.cost[i].item(),
-            ttft=self.ttft[i].item() if has_bc else 0.0, raw_ttft=self.raw[i].item(),
-            prefill_source=SOURCES[ix.I[I_SRC, i]] if has_bc else "none", penalty=ix.F[F_PEN, i].item(),
-            eff_queue=int(ix.I[I_EQ, i]), total_pending=int(self.npend[i]),
-            projected_tps=ix.F[F_PROJ, i].item(), health=ix.F[F_HEALTH, i].item())
+            p=p, slot=p.backend.by_model.get(ix.model) if has_bc else None, cost=self.cost.item(i),
+            ttft=self.ttft.item(i) if has_bc else 0.0, raw_ttft=self.raw.item(i),
+            prefill_source=SOURCES[n[I_SRC]] if has_bc else "none", penalty=f[F_PEN],
+            eff_queue=n[I_EQ], total_pending=self.npend.item(i),
+            projected_tps=f[F_PROJ], health=f[F_HEALTH])
 
     @property
     def admitted(self) -> list:
@@ -274,7 +275,7 @@ class FastPath:
         if slot is not None and slot.max_concurrency > 0:
             I[I_LOAD, i] = eq
         I[I_EQ, i] = eq
-        F[F_KQ, i] = F[F_PEN, i].item() + est.QUEUE_MS * eq
+        F[F_KQ, i] = F.item(F_PEN, i) + est.QUEUE_MS * eq
         I[I_W, i] = waiting + max(0, pbm - rw)
         if slot is not None and slot.budget_max > 0:
             uq = slot.budget_used + slot.queued_budget
@@ -603,7 +604,7 @@ class FastPath:
         if n_adm == 0:
             return res
         if best >= 0:
-            res.best_ttft, res.best_source = res.ttft[best].item(), SOURCES[ix.I[I_SRC, best]]
+            res.best_ttft, res.best_source = res.ttft.item(best), SOURCES[ix.I.item(I_SRC, best)]
         if no_bc:
             res.has_ttft = False
         n_cand = n_adm - res.ttft_rejections

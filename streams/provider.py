@@ -259,6 +259,7 @@ class ProviderState:
         trips: list[tuple[str, int]] = []
         slots: list[Slot] = []
         by_model: dict[str, Slot] = {}
+        any_budget = False
         for s in raw_slots:
             model = _string(s.get("model"), "slot.model")
             state = _string(s.get("state"), "slot.state")
@@ -285,6 +286,7 @@ class ProviderState:
             )
             slots.append(slot)
             by_model.setdefault(model, slot)
+            any_budget = any_budget or slot.budget_max > 0
         free = bc.get("free_for_load_gb")
         if free is not None:
             try:
@@ -296,8 +298,8 @@ class ProviderState:
         backend = Backend(
             total_memory_gb=clamp_float(bc.get("total_memory_gb"), 0.0, MAX_MEMORY_GB),
             gpu_memory_active_gb=clamp_float(bc.get("gpu_memory_active_gb"), 0.0, MAX_MEMORY_GB),
-            free_for_load_gb=free, slots=slots, by_model=by_model, pool=Pool.from_slots(slots),
-            any_budget=any(s.budget_max > 0 for s in slots))
+            free_for_load_gb=free, slots=slots, by_model=by_model,
+            pool=Pool.from_slots(slots) if any_budget else Pool(), any_budget=any_budget)
         return backend, trips
 
     @staticmethod
@@ -315,7 +317,7 @@ class ProviderState:
             raise ProviderEventError("too_many_models", str(len(warm)))
         return (status, thermal, clamp_float(sm.get("memory_pressure"), 0.0, 1.0),
                 clamp_float(sm.get("cpu_usage"), 0.0, 1.0),
-                tuple(_string(w, "warm_models[]") for w in warm))
+                tuple([_string(w, "warm_models[]") for w in warm]))
 
     def set_metrics(self, metrics: tuple) -> None:
         self.status, self.thermal, self.memory_pressure, self.cpu_usage, self.warm_models = metrics

@@ -51,6 +51,24 @@ def draw(request_id: str, attempt: int, k: int) -> float:
     return (int.from_bytes(digest[:8], "big") >> 11) / 2**53
 
 
+def _num(e: dict, name: str, kind=float):
+    """A request's numeric field: finite, not a bool (0 when absent)."""
+    v = e.get(name) or 0
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(name)
+    return kind(v)
+
+
+def _opt_str(e: dict, name: str) -> str | None:
+    """A request's optional string field: None when absent or empty, at most 256 characters."""
+    v = e.get(name)
+    if v is None or v == "":
+        return None
+    if not isinstance(v, str) or len(v) > 256:
+        raise ValueError(name)
+    return v
+
+
 def retry_after_for_depth(depth: int) -> int:
     return 2 if depth <= 0 else min(30, max(2, 3 * depth))
 
@@ -214,7 +232,10 @@ class Router:
 
     def _advance_time(self, journal_time_ms, record_time) -> None:
         t = journal_time_ms if journal_time_ms is not None else record_time
-        if isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > self.now:
+        if type(t) is int:  # the journal's own time, nearly always
+            if t > self.now:
+                self.now = t
+        elif isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > self.now:
             self.now = int(t)
 
     # --- time-driven work (rules §1) -----------------------------------------------------------------
@@ -465,35 +486,21 @@ class Router:
 
     def _stamp(self, e: dict) -> tuple[Request | None, str]:
         c = self.config
-
-        def num(name, kind=float):
-            v = e.get(name) or 0
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise ValueError(name)
-            return kind(v)
-
-        def opt_str(name):
-            v = e.get(name)
-            if v is None or v == "":
-                return None
-            if not isinstance(v, str) or len(v) > 256:
-                raise ValueError(name)
-            return v
-
         try:
             rid, model = e.get("request_id"), e.get("model")
             if not isinstance(rid, str) or not rid or len(rid) > 256:
                 return None, "request_id"
             if not isinstance(model, str) or not model or len(model) > 256:
                 return None, "model"
-            attempt, prompt, max_tokens = num("attempt", int), num("prompt_tokens", int), num("max_tokens", int)
-            max_ttft, min_decode = num("max_ttft_ms"), num("min_decode_tps")
-            account, consumer, aff, avoid = (opt_str("account_id"), opt_str("consumer_key"),
-                                             opt_str("cache_affinity_key"), opt_str("avoid_version"))
+            attempt, prompt, max_tokens = _num(e, "attempt", int), _num(e, "prompt_tokens", int), \
+                _num(e, "max_tokens", int)
+            max_ttft, min_decode = _num(e, "max_ttft_ms"), _num(e, "min_decode_tps")
+            account, consumer, aff, avoid = (_opt_str(e, "account_id"), _opt_str(e, "consumer_key"),
+                                             _opt_str(e, "cache_affinity_key"), _opt_str(e, "avoid_version"))
             allowed, excluded = e.get("allowed_provider_ids") or [], e.get("excluded_provider_ids") or []
             if len(allowed) > MAX_ID_LIST or len(excluded) > MAX_ID_LIST:
                 return None, "id_list"
-            sent = num("sent_at_ms", int)
+            sent = _num(e, "sent_at_ms", int)
         except (ValueError, TypeError, OverflowError) as err:
             return None, str(err)
         self_route, prefer_owner = bool(e.get("self_route_only")), bool(e.get("prefer_owner"))

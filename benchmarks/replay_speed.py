@@ -32,17 +32,16 @@ DAY_ENTRIES = 12_000_000
 READ = {"return_record_name": True, "return_record_name_override": True}
 
 
-def to_avro(jsonl: Path, out: Path) -> int:
+def to_avro(jsonl: Path, out: Path) -> None:
     names = sorted(codec.JOURNAL_TYPES)
     schema = parse_schema({"type": "record", "name": "JournalEntry", "namespace": "switchyard",
                            "fields": [{"name": "journal_offset", "type": "long"},
                                       {"name": "journal_time_ms", "type": ["null", "long"]},
                                       {"name": "event", "type": [codec.schema(n) for n in names]}]})
-    rows = [{"journal_offset": e.journal_offset, "journal_time_ms": e.journal_time_ms,
-             "event": (f"switchyard.{e.type}", e.record)} for e in read_journal(jsonl)]
+    rows = ({"journal_offset": e.journal_offset, "journal_time_ms": e.journal_time_ms,
+             "event": (f"switchyard.{e.type}", e.record)} for e in read_journal(jsonl))
     with out.open("wb") as fp:
-        writer(fp, schema, rows)
-    return len(rows)
+        writer(fp, schema, rows)  # streamed: a day's journal does not fit in memory as dicts
 
 
 def bare_decode(path: Path) -> tuple[int, float]:

@@ -75,10 +75,6 @@ def _clip(v: int) -> int:
     return BIG if v > BIG else -BIG if v < -BIG else v
 
 
-def _count(mask) -> int:
-    return int(np.count_nonzero(mask))
-
-
 def _exact(v: int) -> int:
     """A value used in arithmetic: must fit exactly, else the index gives up (scalar path)."""
     if -BIG <= v <= BIG:
@@ -113,7 +109,7 @@ class ModelIndex:
         self.ver_codes: dict[str, int] = {}
         self.acct_codes: dict[str, int] = {}
         self.seen_decode = self.seen_prefill = self.seen_solo = -1
-        self.seen_calib: dict | None = None  # calibrator versions per source, as of the ratio column
+        self.seen_calib: dict | None = None  # calibrator versions per source, as of ratio_table
         self.ratio_table = ONE_RATIO  # calibrator ratio per (family code, source), read by the scan
         self.decode_medians = NO_MEDIANS  # fleet decode median per family code, read by the scan
         self.floor = None
@@ -595,9 +591,9 @@ class FastPath:
         long_prompt = c.long_prompt_tokens > 0 and P >= c.long_prompt_tokens
         (res.npend, owned, res.adm, n_elig, n_ph, res.too_large, n_kvs, n_adm, res.raw, res.ttft, cand,
          res.ttft_rejections, best, no_bc, cost) = kernel.scan(
-            ix.F, ix.I, ix.B, ix.decode_medians, ix.ratio_table, self.npend, self.pool, acct, req.self_route_only, req.requires_vision, keep,
-            P, R, kv_gb, c.ttft_calibration, float(req.max_ttft_ms), long_prompt,
-            float(c.long_prompt_weight - 1))
+            ix.F, ix.I, ix.B, ix.decode_medians, ix.ratio_table, self.npend, self.pool, acct,
+            req.self_route_only, req.requires_vision, keep, P, R, kv_gb, c.ttft_calibration,
+            float(req.max_ttft_ms), long_prompt, float(c.long_prompt_weight - 1))
         if acct >= 0:
             res.owned = owned
         res.capacity_rejections = n_elig - n_ph + n_kvs - n_adm

@@ -1,10 +1,11 @@
 """The fast path's per-request candidate scan as compiled loops (numba), from the gates to the
-cost and the cheapest rows: the same element-wise IEEE float64 arithmetic, in the same written
-order, as the numpy expressions it replaces (`FastPath._scan` keeps the filters before and the
-affinity bonus after).
+cost and the cheapest rows, and the index refreshes that are whole-column passes: the same
+element-wise IEEE float64 arithmetic, in the same written order, as the numpy expressions they
+replaced (`FastPath._scan` keeps the allowed/excluded mask before and the affinity bonus after).
 
 Why: a scan over a model's 700–900 rows took about 70 numpy calls, each a few microseconds of
-call overhead on short columns; the loop does one pass per stage. Exactness is as in
+call overhead on short columns; one compiled call does one pass per stage. The passes are bound by
+memory rather than arithmetic: a replay evicts the columns between requests. Exactness is as in
 streams/candidates.py: no fast-math, so no reordering or fused multiply-add; the only reductions
 are counts and a first-minimum. `error_model="numpy"` makes ÷0 give inf/nan as numpy does, and the
 two whole-column tests of the numpy code (any W > 0, all TTFTs finite) stay whole-column tests.
@@ -15,24 +16,27 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .candidates import (B_DECPOS, B_EFFRING, B_PFRING, B_GATEOWN, B_GATEPUB, B_GATESELF, B_HASBC, B_HASMC, B_KVS, B_LM,
-                         B_LMFFL, B_LMFFLOK, B_LMUNL, B_NOBC, B_OKSTATE, B_PREPUB, B_TL, B_VISION,
-                         F_CPEN, F_EFF, F_HEALTH, F_KQ, F_LM_B, F_LM_L, F_LM_SIZE, F_LM_TOTAL,
-                         F_FB_PF, F_PEN, F_PF, F_PFT, F_PROJ, F_SOLO_STATIC, F_SPF, F_STATIC_EFF, I_ACCT, I_BASE, I_CLS, I_FBSRC, I_BLNUM, I_BLPEND,
-                         I_BLPOT, I_BLWAIT, I_BOXMAX, I_CAP, I_EQ, I_FAM, I_GIDX, I_LOAD, I_RATE,
-                         I_SRC, I_THR, I_VER, I_W, NB, NF, NI)
+from .candidates import (B_DECPOS, B_EFFRING, B_GATEOWN, B_GATEPUB, B_GATESELF, B_HASBC, B_HASMC,
+                         B_KVS, B_LM, B_LMFFL, B_LMFFLOK, B_LMUNL, B_NOBC, B_OKSTATE, B_PFRING,
+                         B_PREPUB, B_TL, B_VISION, F_CPEN, F_EFF, F_FB_PF, F_HEALTH, F_KQ, F_LM_B,
+                         F_LM_L, F_LM_SIZE, F_LM_TOTAL, F_PEN, F_PF, F_PFT, F_PROJ, F_SOLO_STATIC,
+                         F_SPF, F_STATIC_EFF, I_ACCT, I_BASE, I_BLNUM, I_BLPEND, I_BLPOT, I_BLWAIT,
+                         I_BOXMAX, I_CAP, I_CLS, I_EQ, I_FAM, I_FBSRC, I_GIDX, I_LOAD, I_RATE, I_SRC,
+                         I_THR, I_VER, I_W, NB, NF, NI)
 from .estimates import PENDING_MS
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def scan(F, I, B, medians, ratios, npend_all, pool_all, acct, self_route, vision, keep, P, R, kv_gb, calibrate, max_ttft,
-         long_prompt, long_weight):
+def scan(F, I, B, medians, ratios, npend_all, pool_all, acct, self_route, vision, keep, P, R, kv_gb,
+         calibrate, max_ttft, long_prompt, long_weight):
     """The whole scan of one request in one call (a call into compiled code costs a few µs, as
     much as a stage's loop): gather the fleet-wide cells, the gates (domain §2.2), then admission,
-    TTFT and its gate, and cost. `acct` is the requester's account code in the index, or -1;
-    `keep` is the allowed/excluded mask, or empty. Returns (pending per row, owned, admitted,
-    eligible, with headroom, too large, KV-admissible, admitted count, raw TTFT, TTFT, candidates, TTFT rejections,
-    best TTFT row, any admitted row without backend capacity, cost)."""
+    TTFT and its gate, and cost. `medians`: the fleet decode median per family code; `ratios`: the
+    calibrator ratio per (family code, prefill source code); `acct`: the requester's account code
+    in the index, or -1; `keep`: the allowed/excluded mask, or empty. Returns (pending per row,
+    owned, admitted, eligible, with headroom, too large, KV-admissible, admitted count, raw TTFT,
+    TTFT, candidates, TTFT rejections, best TTFT row, any admitted row without backend capacity,
+    cost)."""
     n = F.shape[1]
     npend = np.empty(n, dtype=np.int64)
     pool = np.empty(n, dtype=np.int64)
@@ -312,11 +316,11 @@ def refresh_cap(F, I, B, has_rate, rates, dedicated, fallback, floor, k, overcom
 def warm_up() -> None:
     """Compile (or load from numba's cache) every loop for the column types the fast path uses,
     so a worker's first decision does not wait for it (≈ 2.5 s without a cache, 0.3 s with)."""
-    F, I, B = np.ones((NF, 1)), np.ones((NI, 1), dtype=np.int64), np.zeros((NB, 1), dtype=np.bool_)
-    I[:] = 0
+    F, I, B = np.ones((NF, 1)), np.zeros((NI, 1), dtype=np.int64), np.zeros((NB, 1), dtype=np.bool_)
     one, mask = np.ones(1, dtype=np.int64), np.ones(1, dtype=np.bool_)
     for keep in (mask, np.zeros(0, dtype=np.bool_)):
-        out = scan(F, I, B, np.ones(1), np.ones((1, 4)), one, one, 0, False, True, keep, 1, 1, 0.5, True, 1.0, True, 1.0)
+        out = scan(F, I, B, np.ones(1), np.ones((1, 4)), one, one, 0, False, True, keep, 1, 1, 0.5, True, 1.0,
+                   True, 1.0)
     narrow_and_cheapest(mask, mask, True, 0, 1.0, F, I, out[-1], one, 3000.0)
     refresh_prefill(F, I, B, np.ones(1), one, 5, 20000.0, 1)
     refresh_cap(F, I, B, mask, np.ones(1), False, 4.0, 15.0, 1.0, 1.0)

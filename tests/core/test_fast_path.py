@@ -14,6 +14,7 @@ import random
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from streams import scan_kernel
 from streams.calibration import WARM_UP, SampleRing, WINDOW
 from streams.router import Router
 
@@ -248,6 +249,17 @@ def test_fast_path_serves_most_decisions_on_a_long_journal():
     stats = fast.fast.stats
     assert stats["scans"] > 500
     assert stats["declined_index"] == 0 and stats["declined_cost"] == 0
+
+
+def test_the_warm_up_compiles_every_variant_a_long_journal_uses():
+    """A worker compiles the loops when it starts; a decision must never compile another variant
+    (an F-ordered column copy after a re-layout once did: seconds on a request's path)."""
+    scan_kernel.warm_up()
+    kernels = [v for v in vars(scan_kernel).values() if hasattr(v, "signatures")]
+    before = {k.__name__: len(k.signatures) for k in kernels}
+    fast, _ = run_both(journal(7, 40, 1500))
+    assert fast.fast.stats["scans"] > 500
+    assert {k.__name__: len(k.signatures) for k in kernels} == before
 
 
 def test_decisions_match_with_rings_and_calibration_warm():

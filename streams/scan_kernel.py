@@ -60,10 +60,7 @@ def scan(F, I, B, medians, ratios, npend_all, pool_all, acct, self_route, vision
         if use_keep:
             e = e and keep[i]
         elig[i] = e
-    admitted, n_elig, n_ph, too_large, n_kvs = admission(F, I, B, elig, npend, pool, P + R, kv_gb)
-    n_adm = 0
-    for i in range(n):
-        n_adm += admitted[i]
+    admitted, n_elig, n_ph, too_large, n_kvs, n_adm = admission(F, I, B, elig, npend, pool, P + R, kv_gb)
     eff = decode_rates(F, I, B, medians)
     raw, calibrated = ttft(F, I, B, eff, ratios, P, calibrate)
     cand, rejected, best, no_bc = ttft_gate(B, admitted, calibrated, max_ttft)
@@ -75,10 +72,10 @@ def scan(F, I, B, medians, ratios, npend_all, pool_all, acct, self_route, vision
 @njit(cache=True, error_model="numpy", nogil=True)
 def admission(F, I, B, elig, npend, pool, T, kv_gb):
     """Headroom, hardware fit and KV admission (domain §2.6–2.10). Returns (admitted mask,
-    rows eligible, rows eligible with headroom, too large, KV-admissible)."""
+    rows eligible, rows eligible with headroom, too large, KV-admissible, admitted)."""
     n = elig.shape[0]
     admitted = np.zeros(n, dtype=np.bool_)
-    n_elig = n_ph = too_large = n_kvs = 0
+    n_elig = n_ph = too_large = n_kvs = n_adm = 0
     for i in range(n):
         if not elig[i]:
             continue
@@ -102,7 +99,8 @@ def admission(F, I, B, elig, npend, pool, T, kv_gb):
             else:
                 ok = F[F_LM_L, i] >= F[F_LM_B, i] + kv_gb
         admitted[i] = ok
-    return admitted, n_elig, n_ph, too_large, n_kvs
+        n_adm += ok
+    return admitted, n_elig, n_ph, too_large, n_kvs, n_adm
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
@@ -318,9 +316,7 @@ def warm_up() -> None:
     so a worker's first decision does not wait for it (≈ 2.5 s without a cache, 0.3 s with)."""
     F, I, B = np.ones((NF, 1)), np.zeros((NI, 1), dtype=np.int64), np.zeros((NB, 1), dtype=np.bool_)
     one, mask = np.ones(1, dtype=np.int64), np.ones(1, dtype=np.bool_)
-    for keep in (mask, np.zeros(0, dtype=np.bool_)):
-        out = scan(F, I, B, np.ones(1), np.ones((1, 4)), one, one, 0, False, True, keep, 1, 1, 0.5, True, 1.0,
-                   True, 1.0)
+    out = scan(F, I, B, np.ones(1), np.ones((1, 4)), one, one, 0, False, True, mask, 1, 1, 0.5, True, 1.0, True, 1.0)
     narrow_and_cheapest(mask, mask, True, 0, 1.0, F, I, out[-1], one, 3000.0)
     refresh_prefill(F, I, B, np.ones(1), one, 5, 20000.0, 1)
     refresh_cap(F, I, B, mask, np.ones(1), False, 4.0, 15.0, 1.0, 1.0)

@@ -89,7 +89,7 @@ class ModelIndex:
                  "fam_codes", "fams", "cls_codes", "classes", "ver_codes", "acct_codes",
                  "seen_decode", "seen_prefill", "seen_solo", "seen_calib", "ratio_table",
                  "decode_medians",
-                 "floor", "pattern", "solo_rates", "solo_rates_version")
+                 "floor", "pattern", "solo_rates", "solo_rates_version", "out")
 
     def __init__(self, model: str):
         self.model = model
@@ -116,6 +116,7 @@ class ModelIndex:
         self.pattern = None
         self.solo_rates: dict[str, float | None] = {}  # chip class -> class_solo_tps, for row builds
         self.solo_rates_version = -1
+        self.out = _scan_buffers(0)
 
     @staticmethod
     def code(table: dict, names: list | None, key: str) -> int:
@@ -125,6 +126,14 @@ class ModelIndex:
             if names is not None:
                 names.append(key)
         return c
+
+
+def _scan_buffers(n: int) -> tuple:
+    """What a scan and a selection write per row, reused by every decision of the index (a result
+    is read only while its decision is made): pending count, owned, admitted, candidates, pool
+    (bool), raw TTFT, TTFT, cost (float), equivalent rows (int)."""
+    i, b, f = np.empty((2, n), dtype=np.int64), np.empty((4, n), dtype=bool), np.empty((3, n))
+    return (i[0], b[0], b[1], b[2], b[3], f[0], f[1], f[2], i[1])
 
 
 class FastScan:
@@ -466,6 +475,7 @@ class FastPath:
         ix.F, ix.I, ix.B = F, I, B
         ix.n, ix.pids, ix.provs = n, pids, provs
         ix.row_of = {pid: j for j, pid in enumerate(pids)}
+        ix.out = _scan_buffers(n)
         ix.layout_dirty = False
         views: dict = {}
         for j in rebuild:
@@ -589,11 +599,13 @@ class FastPath:
                     keep[i] = False
         kv_gb = min(P + R, adm.MAX_KV_TOKENS) * adm.KV_DEFAULT_BYTES_PER_TOKEN / adm.GIB
         long_prompt = c.long_prompt_tokens > 0 and P >= c.long_prompt_tokens
-        (res.npend, owned, res.adm, n_elig, n_ph, res.too_large, n_kvs, n_adm, res.raw, res.ttft, cand,
-         res.ttft_rejections, best, no_bc, cost) = kernel.scan(
+        npend, owned, admitted, cand, _, raw, ttft, cost, _ = ix.out
+        n_elig, n_ph, res.too_large, n_kvs, n_adm, res.ttft_rejections, best, no_bc = kernel.scan(
             ix.F, ix.I, ix.B, ix.decode_medians, ix.ratio_table, self.npend, self.pool, acct,
             req.self_route_only, req.requires_vision, keep, P, R, kv_gb, c.ttft_calibration,
-            float(req.max_ttft_ms), long_prompt, float(c.long_prompt_weight - 1))
+            float(req.max_ttft_ms), long_prompt, float(c.long_prompt_weight - 1),
+            npend, owned, admitted, cand, raw, ttft, cost)
+        res.npend, res.adm, res.raw, res.ttft = npend, admitted, raw, ttft
         if acct >= 0:
             res.owned = owned
         res.capacity_rejections = n_elig - n_ph + n_kvs - n_adm
@@ -627,9 +639,10 @@ class FastPath:
         F, I, Bc = ix.F, ix.I, ix.B
         avoid = ix.ver_codes.get(req.avoid_version, -1) if req.avoid_version else -1
         owned = res.owned if res.owned is not None else NO_ROWS
-        pool, best, equivalent = kernel.narrow_and_cheapest(
+        pool, equivalent = ix.out[4], ix.out[8]
+        best, n_eq = kernel.narrow_and_cheapest(
             res.cand, owned, bool(req.prefer_owner and res.owned is not None), avoid,
-            float(req.min_decode_tps), F, I, res.cost, res.npend, NEAR_TIE_MS)
+            float(req.min_decode_tps), F, I, res.cost, res.npend, NEAR_TIE_MS, pool, equivalent)
         aff = res.affinity_pid
         aff_row = ix.row_of.get(aff) if aff is not None else None
         if c.band:
@@ -651,11 +664,11 @@ class FastPath:
         if not math.isfinite(best):
             self.stats["declined_cost"] += 1
             return None
-        if len(equivalent) > 1:
-            winner = int(equivalent[math.floor(draw(req.request_id, req.attempt, 0) * len(equivalent))])
+        if n_eq > 1:
+            winner = equivalent.item(math.floor(draw(req.request_id, req.attempt, 0) * n_eq))
             how = "near_tie_random"
         else:
-            winner, how = int(equivalent[0]), "cheapest"
+            winner, how = equivalent.item(0), "cheapest"
         if aff_row is not None and pool[aff_row] and abs(res.cost[aff_row].item() - best) <= NEAR_TIE_MS:
             return aff_row, "affinity", 0
         return winner, how, 0

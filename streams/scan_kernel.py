@@ -28,19 +28,18 @@ from .estimates import PENDING_MS
 
 @njit(cache=True, error_model="numpy", nogil=True)
 def scan(F, I, B, medians, ratios, npend_all, pool_all, acct, self_route, vision, keep, P, R, kv_gb,
-         calibrate, max_ttft, long_prompt, long_weight):
+         calibrate, max_ttft, long_prompt, long_weight, npend, owned, admitted, cand, raw, calibrated, c):
     """The whole scan of one request in one call (a call into compiled code costs a few µs, as
     much as a stage's loop): gather the fleet-wide cells, the gates (domain §2.2), then admission,
     TTFT and its gate, and cost. `medians`: the fleet decode median per family code; `ratios`: the
     calibrator ratio per (family code, prefill source code); `acct`: the requester's account code
-    in the index, or -1; `keep`: the allowed/excluded mask, or empty. Returns (pending per row,
-    owned, admitted, eligible, with headroom, too large, KV-admissible, admitted count, raw TTFT,
-    TTFT, candidates, TTFT rejections, best TTFT row, any admitted row without backend capacity,
-    cost)."""
+    in the index, or -1; `keep`: the allowed/excluded mask, or empty. Writes the rows' pending
+    count, owned, admitted and candidate masks, raw and calibrated TTFT and cost into the last
+    seven arrays (the index's buffers: returning new arrays would cost about 0.7 µs each to box).
+    Returns (eligible, with headroom, too large, KV-admissible, admitted, TTFT rejections, best
+    TTFT row, any admitted row without backend capacity)."""
     n = F.shape[1]
-    npend = np.empty(n, dtype=np.int64)
     pool = np.empty(n, dtype=np.int64)
-    owned = np.zeros(n, dtype=np.bool_)
     elig = np.empty(n, dtype=np.bool_)
     use_keep = keep.shape[0] > 0
     for i in range(n):
@@ -60,21 +59,20 @@ def scan(F, I, B, medians, ratios, npend_all, pool_all, acct, self_route, vision
         if use_keep:
             e = e and keep[i]
         elig[i] = e
-    admitted, n_elig, n_ph, too_large, n_kvs, n_adm = admission(F, I, B, elig, npend, pool, P + R, kv_gb)
+    n_elig, n_ph, too_large, n_kvs, n_adm = admission(F, I, B, elig, npend, pool, P + R, kv_gb, admitted)
     eff = decode_rates(F, I, B, medians)
-    raw, calibrated = ttft(F, I, B, eff, ratios, P, calibrate)
-    cand, rejected, best, no_bc = ttft_gate(B, admitted, calibrated, max_ttft)
-    c = cost(F, I, eff, npend, P, R, long_prompt, long_weight)
-    return (npend, owned, admitted, n_elig, n_ph, too_large, n_kvs, n_adm, raw, calibrated, cand, rejected,
-            best, no_bc, c)
+    ttft(F, I, B, eff, ratios, P, calibrate, raw, calibrated)
+    rejected, best, no_bc = ttft_gate(B, admitted, calibrated, max_ttft, cand)
+    cost(F, I, eff, npend, P, R, long_prompt, long_weight, c)
+    return n_elig, n_ph, too_large, n_kvs, n_adm, rejected, best, no_bc
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def admission(F, I, B, elig, npend, pool, T, kv_gb):
-    """Headroom, hardware fit and KV admission (domain §2.6–2.10). Returns (admitted mask,
-    rows eligible, rows eligible with headroom, too large, KV-admissible, admitted)."""
+def admission(F, I, B, elig, npend, pool, T, kv_gb, admitted):
+    """Headroom, hardware fit and KV admission (domain §2.6–2.10) into the `admitted` mask.
+    Returns (rows eligible, rows eligible with headroom, too large, KV-admissible, admitted)."""
     n = elig.shape[0]
-    admitted = np.zeros(n, dtype=np.bool_)
+    admitted[:] = False
     n_elig = n_ph = too_large = n_kvs = n_adm = 0
     for i in range(n):
         if not elig[i]:
@@ -100,7 +98,7 @@ def admission(F, I, B, elig, npend, pool, T, kv_gb):
                 ok = F[F_LM_L, i] >= F[F_LM_B, i] + kv_gb
         admitted[i] = ok
         n_adm += ok
-    return admitted, n_elig, n_ph, too_large, n_kvs, n_adm
+    return n_elig, n_ph, too_large, n_kvs, n_adm
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
@@ -120,11 +118,10 @@ def decode_rates(F, I, B, medians):
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def ttft(F, I, B, eff, ratios, P, calibrate):
-    """Raw and calibrated TTFT of every row (domain §2.13); `ratios` is the calibrator's ratio by
-    (family code, prefill source code)."""
+def ttft(F, I, B, eff, ratios, P, calibrate, raw, out):
+    """Raw and calibrated TTFT of every row (domain §2.13) into `raw` and `out`; `ratios` is the
+    calibrator's ratio by (family code, prefill source code)."""
     n = F.shape[1]
-    raw = np.empty(n)
     w_any = False
     for i in range(n):
         if I[I_W, i] != 0:
@@ -151,8 +148,8 @@ def ttft(F, I, B, eff, ratios, P, calibrate):
         if not keep:
             raw[i] = 0.0
     if not calibrate:
-        return raw, raw
-    out = np.empty(n)
+        out[:] = raw
+        return
     for i in range(n):
         x, ratio, pen = raw[i], ratios[I[I_FAM, i], I[I_SRC, i]], F[F_PEN, i]
         if x <= 0 or ratio == 1.0:
@@ -161,15 +158,14 @@ def ttft(F, I, B, eff, ratios, P, calibrate):
             out[i] = pen + (x - pen) * ratio
         else:
             out[i] = x
-    return raw, out
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def ttft_gate(B, admitted, ttft, max_ttft):
-    """(candidates, TTFT rejections, first row with the lowest positive TTFT or -1, any admitted
-    row without backend capacity)."""
+def ttft_gate(B, admitted, ttft, max_ttft, cand):
+    """The candidates into `cand`; returns (TTFT rejections, first row with the lowest positive
+    TTFT or -1, any admitted row without backend capacity)."""
     n = admitted.shape[0]
-    cand = admitted.copy()
+    cand[:] = admitted
     rejected, best, no_bc = 0, -1, False
     for i in range(n):
         if not admitted[i]:
@@ -186,14 +182,13 @@ def ttft_gate(B, admitted, ttft, max_ttft):
             cand[i] = False
     if best > 0 and ttft[best] == np.inf:
         best = -1  # numpy's argmin over an all-inf column answers row 0, which is not eligible
-    return cand, rejected, best, no_bc
+    return rejected, best, no_bc
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def cost(F, I, eff, npend, P, R, long_prompt, long_weight):
-    """Cost of every row (domain §2.11), without the affinity bonus."""
+def cost(F, I, eff, npend, P, R, long_prompt, long_weight, out):
+    """Cost of every row (domain §2.11), without the affinity bonus, into `out`."""
     n = F.shape[1]
-    out = np.empty(n)
     for i in range(n):
         rate = eff[i]
         num = I[I_BLNUM, i]
@@ -206,7 +201,6 @@ def cost(F, I, eff, npend, P, R, long_prompt, long_weight):
         if long_prompt:
             this_req = this_req + long_weight * (P / F[F_PF, i] * 1000 + F[F_CPEN, i])
         out[i] = F[F_KQ, i] + PENDING_MS * npend[i] + num / rate * 1000 + this_req + F[F_HEALTH, i]
-    return out
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
@@ -217,10 +211,12 @@ def _narrowed(pool, keep):
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def narrow_and_cheapest(cand, owned, prefer_owner, avoid_code, min_decode, F, I, cost, npend, near_tie_ms):
+def narrow_and_cheapest(cand, owned, prefer_owner, avoid_code, min_decode, F, I, cost, npend, near_tie_ms,
+                        pool_out, equivalent):
     """Narrowing (domain §2.12: owned rows, then rows of another version than `avoid_code`, then
-    rows fast enough, each only if any row is left), then `cheapest` on what is left. Returns
-    (pool, lowest cost, equivalent rows)."""
+    rows fast enough, each only if any row is left), then `cheapest` on what is left. Writes the
+    pool into `pool_out` and the equivalent rows into the head of `equivalent`; returns (lowest
+    cost, number of equivalent rows)."""
     pool = cand
     if prefer_owner:
         pool = _narrowed(pool, owned)
@@ -228,15 +224,16 @@ def narrow_and_cheapest(cand, owned, prefer_owner, avoid_code, min_decode, F, I,
         pool = _narrowed(pool, I[I_VER] != avoid_code)
     if min_decode > 0:
         pool = _narrowed(pool, F[F_PROJ] >= min_decode)
-    best, equivalent = cheapest(pool, cost, I, npend, near_tie_ms)
-    return pool, best, equivalent
+    pool_out[:] = pool
+    return cheapest(pool, cost, I, npend, near_tie_ms, equivalent)
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
-def cheapest(pool, cost, I, npend, near_tie_ms):
-    """Selection among the pool by cost (domain §2.16): (lowest cost, the rows within
-    `near_tie_ms` of it that share the lowest (effective queue, total pending) key, in row order).
-    A NaN or infinite lowest cost comes back as is, with no rows (the scalar path decides)."""
+def cheapest(pool, cost, I, npend, near_tie_ms, out):
+    """Selection among the pool by cost (domain §2.16): (lowest cost, the number of rows within
+    `near_tie_ms` of it that share the lowest (effective queue, total pending) key, written in row
+    order into `out`). A NaN or infinite lowest cost comes back as is, with no rows (the scalar
+    path decides)."""
     n = pool.shape[0]
     best = np.inf
     seen = False
@@ -244,11 +241,11 @@ def cheapest(pool, cost, I, npend, near_tie_ms):
         if pool[i]:
             x = cost[i]
             if x != x:  # NaN: numpy's min is NaN
-                return x, np.empty(0, dtype=np.int64)
+                return x, 0
             if not seen or x < best:
                 best, seen = x, True
     if not np.isfinite(best):
-        return best, np.empty(0, dtype=np.int64)
+        return best, 0
     low = np.int64(0)
     found = False
     for i in range(n):
@@ -256,13 +253,12 @@ def cheapest(pool, cost, I, npend, near_tie_ms):
             key = (I[I_EQ, i] << 32) + npend[i]
             if not found or key < low:
                 low, found = key, True
-    out = np.empty(n, dtype=np.int64)
     m = 0
     for i in range(n):
         if pool[i] and abs(cost[i] - best) <= near_tie_ms and (I[I_EQ, i] << 32) + npend[i] == low:
             out[m] = i
             m += 1
-    return best, out[:m]
+    return best, m
 
 
 @njit(cache=True, error_model="numpy", nogil=True)
@@ -315,8 +311,9 @@ def warm_up() -> None:
     """Compile (or load from numba's cache) every loop for the column types the fast path uses,
     so a worker's first decision does not wait for it (≈ 2.5 s without a cache, 0.3 s with)."""
     F, I, B = np.ones((NF, 1)), np.zeros((NI, 1), dtype=np.int64), np.zeros((NB, 1), dtype=np.bool_)
-    one, mask = np.ones(1, dtype=np.int64), np.ones(1, dtype=np.bool_)
-    out = scan(F, I, B, np.ones(1), np.ones((1, 4)), one, one, 0, False, True, mask, 1, 1, 0.5, True, 1.0, True, 1.0)
-    narrow_and_cheapest(mask, mask, True, 0, 1.0, F, I, out[-1], one, 3000.0)
+    one, mask, x = np.ones(1, dtype=np.int64), np.ones(1, dtype=np.bool_), np.ones(1)
+    scan(F, I, B, x, np.ones((1, 4)), one, one, 0, False, True, mask, 1, 1, 0.5, True, 1.0, True, 1.0,
+         one, mask, mask, mask, x, x, x)
+    narrow_and_cheapest(mask, mask, True, 0, 1.0, F, I, x, one, 3000.0, mask, one)
     refresh_prefill(F, I, B, np.ones(1), one, 5, 20000.0, 1)
     refresh_cap(F, I, B, mask, np.ones(1), False, 4.0, 15.0, 1.0, 1.0)

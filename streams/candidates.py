@@ -193,7 +193,7 @@ class FastPath:
         cap = 64
         self.npend = np.zeros(cap, dtype=np.int64)
         self.pool = np.full(cap, BIG, dtype=np.int64)
-        self.byte = np.zeros(cap, dtype=bool)
+        self.byte = [False] * cap  # per slot: pooled budget counted in bytes (not read by the kernels)
 
     # === maintenance ============================================================================
     def reset(self) -> None:
@@ -209,7 +209,7 @@ class FastPath:
                 n = 2 * len(self.npend)
                 self.npend = np.resize(self.npend, n)
                 self.pool = np.resize(self.pool, n)
-                self.byte = np.resize(self.byte, n)
+                self.byte += [False] * (n - len(self.byte))
         self.gidx[p.provider_id] = g
         self._provider_cells(p, g)
         for model in p.models:
@@ -310,7 +310,7 @@ class FastPath:
             else:
                 free = pool.total - pool.used - max(0, p.pending_tokens_all - pool.committed)
         self.pool[g] = _clip(free)
-        flipped = bool(self.byte[g]) != byte
+        flipped = self.byte[g] != byte
         self.byte[g] = byte
         return flipped
 
@@ -337,7 +337,7 @@ class FastPath:
         return (p.box_max_concurrency(c), est.health_ms(p), p.static_decode_tps(),
                 p.static_prefill_tps(c), min(p.static_prefill_tps(c), c.max_prefill_tps),
                 p.total_memory_gb(), TRUST_RANK[p.trust] >= TRUST_RANK[c.min_trust],
-                p.status == "draining", p.thermal == "critical", bool(self.byte[self.gidx[p.provider_id]]))
+                p.status == "draining", p.thermal == "critical", self.byte[self.gidx[p.provider_id]])
 
     def _write_row(self, ix: ModelIndex, i: int, p, pv: tuple) -> None:
         try:

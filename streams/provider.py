@@ -42,6 +42,8 @@ class ProviderEventError(ValueError):
 # --- clamps -----------------------------------------------------------------------------------------
 def clamp_float(value, lo: float, hi: float) -> float:
     """NaN, negatives and non-numbers → lo; above hi → hi."""
+    if type(value) is float:  # the decoder's, nearly always (NaN fails both tests: lo)
+        return value if lo <= value <= hi else hi if value > hi else lo
     try:
         v = float(value)
     except (TypeError, ValueError, OverflowError):
@@ -62,6 +64,8 @@ def clamp_rate(value, hi: float) -> float:
 
 def zero_outside(value, hi: float) -> float:
     """NaN, negative, absurdly small or above hi → 0 (the prefill ingest rule: zeroed, not clamped)."""
+    if type(value) is float:  # the decoder's, nearly always
+        return value if MIN_RATE <= value <= hi else 0.0
     try:
         v = float(value)
     except (TypeError, ValueError, OverflowError):
@@ -70,6 +74,8 @@ def zero_outside(value, hi: float) -> float:
 
 
 def clamp_int(value, lo: int, hi: int) -> int:
+    if type(value) is int:  # the decoder's, nearly always
+        return lo if value < lo else hi if value > hi else value
     try:
         v = int(value)
     except (TypeError, ValueError, OverflowError):
@@ -128,24 +134,35 @@ class Pool:
         budget = [s for s in slots if s.budget_max > 0]
         if not budget:
             return pool
-        shared_free = 0
-        shared_free_bytes = 0
-        pool.byte_mode = all(s.kv_bytes_per_token > 0 for s in budget)
-        for s in budget:
-            slot_used = max(0, s.budget_used + s.queued_budget)
-            c = max(0, max(s.budget_used + s.queued_budget, s.max_tokens_potential))
-            pool.used += slot_used
-            pool.committed += c
-            shared_free = max(shared_free, max(0, s.budget_max - slot_used))
+        used = committed = used_bytes = committed_bytes = max_rate = 0
+        shared_free = shared_free_bytes = 0
+        byte_mode = True
+        rate = pool.rate
+        for s in budget:  # locals, not attributes: this runs on every heartbeat with budgets
+            uq = s.budget_used + s.queued_budget
+            slot_used = uq if uq > 0 else 0
+            c = uq if uq > s.max_tokens_potential else s.max_tokens_potential
+            if c < 0:
+                c = 0
+            used += slot_used
+            committed += c
+            free = s.budget_max - slot_used
+            if free > shared_free:
+                shared_free = free
             r = s.kv_bytes_per_token
             if r > 0:
-                pool.used_bytes += slot_used * r
-                pool.committed_bytes += c * r
-                shared_free_bytes = max(shared_free_bytes, (s.budget_max - slot_used) * r)
-                pool.rate.setdefault(s.model, r)
-                pool.max_rate = max(pool.max_rate, r)
-        pool.total = pool.used + shared_free
-        pool.total_bytes = pool.used_bytes + shared_free_bytes
+                used_bytes += slot_used * r
+                committed_bytes += c * r
+                if free * r > shared_free_bytes:
+                    shared_free_bytes = free * r
+                rate.setdefault(s.model, r)
+                if r > max_rate:
+                    max_rate = r
+            else:
+                byte_mode = False
+        pool.used, pool.committed, pool.total = used, committed, used + shared_free
+        pool.byte_mode, pool.used_bytes, pool.committed_bytes = byte_mode, used_bytes, committed_bytes
+        pool.total_bytes, pool.max_rate = used_bytes + shared_free_bytes, max_rate
         return pool
 
 

@@ -19,25 +19,18 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from fastavro import parse_schema, reader, writer
+from fastavro import reader, writer
 
 from replay.run import batch_gc
-from streams import codec
+from replay.sources import AVRO_READ as READ, container_schema
 from streams.jsonl import read_journal
 from streams.router import Router
 
 DAY_ENTRIES = 12_000_000
-# The journal entry's event is a union of records: its branch name tells the type. Nested optional
-# records (["null", Record]) must come back as plain dicts, as the core reads them.
-READ = {"return_record_name": True, "return_record_name_override": True}
 
 
 def to_avro(jsonl: Path, out: Path) -> None:
-    names = sorted(codec.JOURNAL_TYPES)
-    schema = parse_schema({"type": "record", "name": "JournalEntry", "namespace": "switchyard",
-                           "fields": [{"name": "journal_offset", "type": "long"},
-                                      {"name": "journal_time_ms", "type": ["null", "long"]},
-                                      {"name": "event", "type": [codec.schema(n) for n in names]}]})
+    schema = container_schema()  # as `python -m replay export --avro` writes
     rows = ({"journal_offset": e.journal_offset, "journal_time_ms": e.journal_time_ms,
              "event": (f"switchyard.{e.type}", e.record)} for e in read_journal(jsonl))
     with out.open("wb") as fp:

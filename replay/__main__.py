@@ -1,13 +1,15 @@
 """`python -m replay` — re-run, export, audit and explain Switchyard journals.
 
-  python -m replay run     --journal FILE.jsonl --out decisions.jsonl
+  python -m replay run     --journal FILE.jsonl --out decisions.jsonl   (or FILE.avro from export --avro)
   python -m replay export  --bootstrap HOST:PORT --out journal.jsonl [--decisions-topic T] [--avro FILE]
   python -m replay audit   --journal FILE.jsonl              (recorded decisions are lines of the file)
   python -m replay audit   --bootstrap HOST:PORT --decisions-topic switchyard.decisions
   python -m replay explain REQUEST_ID --journal FILE.jsonl [--json]
   python -m replay what-if --journal FILE.jsonl --set EIGENINFERENCE_SATISFICING_BAND=true --report out/w.md
 
-A journal comes from a JSON Lines file (--journal) or from Kafka (--bootstrap, --topic, --partition).
+A journal comes from a file (--journal: JSON Lines, or the Avro container `export --avro` writes,
+the faster to read) or from Kafka (--bootstrap, --topic, --partition). It is read as it is replayed,
+so a day's journal needs no more memory than the router's state (what-if holds it: two passes).
 Replays start from the default settings and apply the journal's ConfigChange entries (rules §3).
 """
 from __future__ import annotations
@@ -21,23 +23,23 @@ from streams.jsonl import write_record
 from . import audit as audit_mod
 from . import explain as explain_mod
 from .run import batch_gc, decisions
-from .sources import JournalFile, kafka_decisions, kafka_journal, kafka_records
+from .sources import JournalStream, KafkaJournal, container_schema, kafka_decisions, kafka_records
 
 
 def _source(args):
-    """(entries, recorded decisions or None, skipped Counter or None)."""
+    """The journal's input entries, read as they are iterated (once). After that, `count` is the
+    entries read, `recorded` the file's recorded decisions (None from Kafka) and `skipped` the
+    skipped lines by reason."""
     if args.journal:
-        f = JournalFile(args.journal)
-        return f.entries, f.recorded, f.skipped
+        return JournalStream(args.journal)
     if not args.bootstrap:
         sys.exit("give --journal FILE or --bootstrap HOST:PORT")
-    entries = list(kafka_journal(args.bootstrap, args.topic, args.partition,
-                                 start=args.start_offset, end=args.end_offset))
-    return entries, None, None
+    return KafkaJournal(args.bootstrap, args.topic, args.partition,
+                        start=args.start_offset, end=args.end_offset)
 
 
 def _add_source_args(p, journal_required=False):
-    p.add_argument("--journal", help="JSON Lines journal file")
+    p.add_argument("--journal", help="journal file: JSON Lines, or an Avro container from `export --avro`")
     p.add_argument("--bootstrap", help="Kafka bootstrap servers, to read the journal topic instead")
     p.add_argument("--topic", default="switchyard.journal", help="journal topic (default %(default)s)")
     p.add_argument("--partition", type=int, default=0, help="journal partition = routing domain")
@@ -46,7 +48,7 @@ def _add_source_args(p, journal_required=False):
 
 
 def cmd_run(args) -> int:
-    entries, _, skipped = _source(args)
+    entries = _source(args)
     out = open(args.out, "w") if args.out and args.out != "-" else sys.stdout
     n = 0
     try:
@@ -56,61 +58,57 @@ def cmd_run(args) -> int:
     finally:
         if out is not sys.stdout:
             out.close()
-    note = f"; skipped lines: {dict(skipped)}" if skipped else ""
-    print(f"{n} decisions from {len(entries)} journal entries{note}", file=sys.stderr)
+    note = f"; skipped lines: {dict(entries.skipped)}" if entries.skipped else ""
+    print(f"{n} decisions from {entries.count} journal entries{note}", file=sys.stderr)
     return 0
 
 
 def cmd_export(args) -> int:
+    from fastavro.write import Writer
+    from streams import codec
     records = kafka_records(args.bootstrap, args.topic, args.partition, start=args.start_offset,
                             end=args.end_offset, start_ms=args.start_ms, end_ms=args.end_ms)
-    from streams import codec
-    rows = []
-    with open(args.out, "w") as fp:
-        for rec in records:
-            try:
-                name, value = codec.decode(rec.value)
-            except codec.CodecError as e:
-                print(f"offset {rec.offset}: undecodable ({e.reason}), skipped", file=sys.stderr)
-                continue
-            write_record(fp, name, value, journal_offset=rec.offset, journal_time_ms=rec.timestamp)
-            rows.append((rec.offset, rec.timestamp, name, value))
-        if args.decisions_topic:
-            for d in kafka_decisions(args.bootstrap, args.decisions_topic):
-                write_record(fp, "RouteDecision", d)
-    if args.avro:
-        _write_avro(args.avro, rows)
-    print(f"exported {len(rows)} journal entries to {args.out}", file=sys.stderr)
+    avro = open(args.avro, "wb") if args.avro else None
+    n = 0
+    try:
+        container = Writer(avro, container_schema()) if avro else None  # written as it is read
+        with open(args.out, "w") as fp:
+            for rec in records:
+                try:
+                    name, value = codec.decode(rec.value)
+                except codec.CodecError as e:
+                    print(f"offset {rec.offset}: undecodable ({e.reason}), skipped", file=sys.stderr)
+                    continue
+                write_record(fp, name, value, journal_offset=rec.offset, journal_time_ms=rec.timestamp)
+                if container:
+                    container.write({"journal_offset": rec.offset, "journal_time_ms": rec.timestamp,
+                                     "event": (f"switchyard.{name}", value)})
+                n += 1
+            if args.decisions_topic:
+                for d in kafka_decisions(args.bootstrap, args.decisions_topic):
+                    write_record(fp, "RouteDecision", d)
+        if container:
+            container.flush()
+    finally:
+        if avro:
+            avro.close()
+    print(f"exported {n} journal entries to {args.out}", file=sys.stderr)
     return 0
 
 
-def _write_avro(path: str, rows) -> None:
-    """An Avro object container file: one JournalEntry record per entry, the event as a union."""
-    from fastavro import parse_schema, writer
-    from streams import codec
-    names = sorted({name for _, _, name, _ in rows} or {"Tick"})
-    schema = parse_schema({"type": "record", "name": "JournalEntry", "namespace": "switchyard",
-                           "fields": [{"name": "journal_offset", "type": "long"},
-                                      {"name": "journal_time_ms", "type": ["null", "long"]},
-                                      {"name": "event", "type": [codec.schema(n) for n in names]}]})
-    with open(path, "wb") as fp:
-        writer(fp, schema, ({"journal_offset": o, "journal_time_ms": t, "event": (f"switchyard.{n}", v)}
-                            for o, t, n, v in rows))
-
-
 def cmd_audit(args) -> int:
-    entries, recorded, _ = _source(args)
-    if args.decisions_topic:
-        recorded = kafka_decisions(args.bootstrap, args.decisions_topic)
-    if recorded is None:
+    entries = _source(args)
+    if entries.recorded is None and not args.decisions_topic:
         sys.exit("no recorded decisions: give a journal file with RouteDecision lines or --decisions-topic")
-    report = audit_mod.compare(recorded, list(decisions(entries)))
+    replayed = list(decisions(entries))  # a file's recorded decisions are complete after this
+    recorded = kafka_decisions(args.bootstrap, args.decisions_topic) if args.decisions_topic else entries.recorded
+    report = audit_mod.compare(recorded, replayed)
     print(report.summary())
     return 0 if report.ok else 1
 
 
 def cmd_explain(args) -> int:
-    entries, _, _ = _source(args)
+    entries = _source(args)
     report = explain_mod.explain(entries, args.request_id, args.attempt)
     if report is None:
         print(f"request {args.request_id} not found in the journal", file=sys.stderr)
@@ -124,7 +122,7 @@ def cmd_whatif(args) -> int:
 
     from .report import compare_runs, write_report
     from .whatif import what_if
-    entries, _, _ = _source(args)
+    entries = list(_source(args))  # two passes: the recorded run, then the what-if
     settings = {}
     for item in args.set or []:
         name, sep, value = item.partition("=")

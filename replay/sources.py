@@ -1,37 +1,78 @@
-"""Where a journal comes from: a JSON Lines file, or a Kafka topic partition (live journal), and
-where the recorded decisions come from for an audit (lines of the same file, or a decisions topic).
+"""Where a journal comes from: a JSON Lines file, an Avro object container file (as `export --avro`
+writes), or a Kafka topic partition (live journal); and where the recorded decisions come from for
+an audit (lines of the same file, or a decisions topic).
+
+Entries are read as they are consumed: a day's journal (≈ 12 M entries) does not fit in memory as
+dicts, so `run`, `audit` and `explain` hold only the router's state (and an audit the decisions).
 """
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from typing import Iterator
+
+from fastavro import parse_schema, reader as avro_reader
 
 from streams import codec
 from streams.jsonl import JournalEntry, read_journal
 from streams.router import OUTPUT_TYPES
 
+AVRO_MAGIC = b"Obj\x01"  # the first bytes of an Avro object container file
+# The container's event is a union of records: its branch name tells the type. Nested optional
+# records (["null", Record]) must come back as plain dicts, as the core reads them.
+AVRO_READ = {"return_record_name": True, "return_record_name_override": True}
 
-class JournalFile:
-    """Input entries and recorded outputs of a JSON Lines journal."""
+
+def container_schema() -> dict:
+    """The record of an Avro object container journal: one JournalEntry per entry, the event as a
+    union of every record type (a journal topic holds input events and Ticks; a union of all
+    types also takes anything else a topic holds)."""
+    return parse_schema({"type": "record", "name": "JournalEntry", "namespace": "switchyard",
+                         "fields": [{"name": "journal_offset", "type": "long"},
+                                    {"name": "journal_time_ms", "type": ["null", "long"]},
+                                    {"name": "event", "type": [codec.schema(n) for n in sorted(codec.RECORD_NAMES)]}]})
+
+
+def is_avro_container(path: str) -> bool:
+    with open(path, "rb") as fp:
+        return fp.read(4) == AVRO_MAGIC
+
+
+def avro_entries(path: str) -> Iterator[JournalEntry]:
+    """The entries of an Avro object container file with `JournalEntry` records."""
+    with open(path, "rb") as fp:
+        for row in avro_reader(fp, **AVRO_READ):
+            name, record = row["event"]
+            yield JournalEntry(row["journal_offset"], row["journal_time_ms"], name.rsplit(".", 1)[-1], record)
+
+
+class JournalStream:
+    """The input entries of a journal file, read as they are iterated (once). The recorded
+    decisions in it are kept as they pass (`recorded`); `count` is the input entries so far and
+    `skipped` the JSON Lines reader's skipped lines by reason (empty for a container file)."""
 
     def __init__(self, path: str):
         self.path = path
-        self.reader = read_journal(path)
-        self.entries: list[JournalEntry] = []
         self.recorded: list[dict] = []
-        for entry in self.reader:
+        self.count = 0
+        self.skipped: Counter = Counter()
+
+    def __iter__(self) -> Iterator[JournalEntry]:
+        if is_avro_container(self.path):
+            entries = avro_entries(self.path)
+        else:
+            entries = read_journal(self.path)
+            self.skipped = entries.skipped
+        for entry in entries:
             if entry.type == "RouteDecision":
                 self.recorded.append(entry.record)
             elif entry.type not in OUTPUT_TYPES:
-                self.entries.append(entry)
-
-    @property
-    def skipped(self):
-        return self.reader.skipped
+                self.count += 1
+                yield entry
 
 
-async def _read_kafka(bootstrap: str, topic: str, partition: int, start: int | None, end: int | None,
-                      start_ms: int | None = None, end_ms: int | None = None) -> list:
+async def _kafka_batches(bootstrap: str, topic: str, partition: int, start: int | None, end: int | None,
+                         start_ms: int | None = None, end_ms: int | None = None):
     from aiokafka import AIOKafkaConsumer, TopicPartition
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
                                 auto_offset_reset="earliest")
@@ -49,18 +90,29 @@ async def _read_kafka(bootstrap: str, topic: str, partition: int, start: int | N
         end = high if end is None else min(end, high)
         low = (await consumer.beginning_offsets([tp]))[tp]
         consumer.seek(tp, max(low, start or 0))  # an explicit seek: seek_to_beginning can race
-        out = []
         while await consumer.position(tp) < end:
             batch = await consumer.getmany(tp, timeout_ms=1000, max_records=10_000)
-            out.extend(r for r in batch.get(tp, []) if r.offset < end)
-        return out
+            yield [r for r in batch.get(tp, []) if r.offset < end]
     finally:
         await consumer.stop()
 
 
 def kafka_records(bootstrap: str, topic: str, partition: int = 0, start: int | None = None,
-                  end: int | None = None, start_ms: int | None = None, end_ms: int | None = None) -> list:
-    return asyncio.run(_read_kafka(bootstrap, topic, partition, start, end, start_ms, end_ms))
+                  end: int | None = None, start_ms: int | None = None, end_ms: int | None = None) -> Iterator:
+    """The records of a topic partition (optionally between offsets or times), fetched in batches
+    as they are consumed."""
+    loop = asyncio.new_event_loop()
+    batches = _kafka_batches(bootstrap, topic, partition, start, end, start_ms, end_ms)
+    try:
+        while True:
+            try:
+                batch = loop.run_until_complete(batches.__anext__())
+            except StopAsyncIteration:
+                return
+            yield from batch
+    finally:
+        loop.run_until_complete(batches.aclose())  # stops the consumer, also when abandoned early
+        loop.close()
 
 
 def kafka_journal(bootstrap: str, topic: str, partition: int = 0, **window) -> Iterator[JournalEntry]:
@@ -71,6 +123,23 @@ def kafka_journal(bootstrap: str, topic: str, partition: int = 0, **window) -> I
         except codec.CodecError:
             continue
         yield JournalEntry(rec.offset, rec.timestamp, name, value)
+
+
+class KafkaJournal:
+    """The entries of a journal topic partition, read as they are iterated (once); like
+    `JournalStream`, with no recorded decisions (they are on their own topic)."""
+
+    def __init__(self, bootstrap: str, topic: str, partition: int = 0, **window):
+        self.args = (bootstrap, topic, partition)
+        self.window = window
+        self.recorded = None
+        self.count = 0
+        self.skipped: Counter = Counter()
+
+    def __iter__(self) -> Iterator[JournalEntry]:
+        for entry in kafka_journal(*self.args, **self.window):
+            self.count += 1
+            yield entry
 
 
 def kafka_decisions(bootstrap: str, topic: str) -> list[dict]:

@@ -180,3 +180,11 @@ def test_an_exported_journal_audits_clean_from_the_file(pipeline, tmp_path):
     res = subprocess.run(run + ["audit", "--journal", str(out)], capture_output=True, text=True)
     assert res.returncode == 0 and "AUDIT OK" in res.stdout, res.stdout + res.stderr
     assert "identical: " in res.stdout and avro.stat().st_size > 0
+    # the Avro container holds the same journal: the same decisions, and it audits clean against the topic
+    for path in (out, avro):
+        subprocess.run(run + ["run", "--journal", str(path), "--out", str(path) + ".decisions"], check=True,
+                       capture_output=True)
+    assert (tmp_path / "journal.avro.decisions").read_text() == (tmp_path / "journal.jsonl.decisions").read_text()
+    res = subprocess.run(run + ["audit", "--journal", str(avro), "--bootstrap", bootstrap,
+                                "--decisions-topic", prefix + "switchyard.decisions"], capture_output=True, text=True)
+    assert res.returncode == 0 and "AUDIT OK" in res.stdout, res.stdout + res.stderr

@@ -82,3 +82,41 @@ def test_explain_names_the_capacity_rejection_and_the_winner():
     verdicts = {row["provider_id"]: row["verdict"] for row in report["candidates"]}
     assert verdicts == {"box-a": "no_headroom", "box-b": "candidate"}
     assert replay("explain", "nope", "--journal", EXAMPLES / "queue-timeout.jsonl", check=False).returncode == 2
+
+
+def _container(jsonl: Path, out: Path) -> Path:
+    """The journal as the Avro object container `export --avro` writes."""
+    from fastavro import writer
+
+    from replay.sources import container_schema
+    from streams.jsonl import read_journal
+    with out.open("wb") as fp:
+        writer(fp, container_schema(), ({"journal_offset": e.journal_offset, "journal_time_ms": e.journal_time_ms,
+                                         "event": (f"switchyard.{e.type}", e.record)} for e in read_journal(jsonl)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["dedicated-cap-sheds", "queue-timeout"])
+def test_run_and_explain_read_an_avro_container_as_the_json_lines_file(name, tmp_path):
+    avro = _container(EXAMPLES / f"{name}.jsonl", tmp_path / "j.avro")
+    replay("run", "--journal", EXAMPLES / f"{name}.jsonl", "--out", tmp_path / "from-jsonl.jsonl")
+    res = replay("run", "--journal", avro, "--out", tmp_path / "from-avro.jsonl")
+    assert (tmp_path / "from-avro.jsonl").read_text() == (tmp_path / "from-jsonl.jsonl").read_text()
+    assert len(lines(tmp_path / "from-avro.jsonl")) == len(lines(EXAMPLES / f"{name}.expected.jsonl"))
+    assert "decisions from" in res.stderr
+    first = lines(tmp_path / "from-jsonl.jsonl")[0]["request_id"]
+    assert replay("explain", first, "--journal", avro, "--json").stdout == \
+        replay("explain", first, "--journal", EXAMPLES / f"{name}.jsonl", "--json").stdout
+
+
+def test_a_journal_file_is_read_as_it_is_replayed(tmp_path):
+    """A day's journal (≈ 12 M entries) does not fit in memory as dicts: entries stream."""
+    from replay.sources import JournalStream
+    for path in (EXAMPLES / "dedicated-cap-sheds.jsonl",
+                 _container(EXAMPLES / "dedicated-cap-sheds.jsonl", tmp_path / "j.avro")):
+        stream = JournalStream(str(path))
+        entries = iter(stream)
+        next(entries)
+        assert stream.count == 1
+        total = 1 + sum(1 for _ in entries)
+        assert stream.count == total > 1

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from replay.audit import compare
 from replay.run import decisions
-from replay.sources import JournalFile
+from replay.sources import JournalStream
 from streams.jsonl import dumps_record, read_journal
 from streams.sim import offline, scenario
 
@@ -68,10 +68,11 @@ def test_lines_are_exactly_what_write_record_writes(tmp_path):
 def test_replay_reproduces_the_decisions_of_the_run(tmp_path):
     path, res = run(tmp_path, "j.jsonl", seed=4, preset="postmortem", duration=240.0, with_decisions=True,
                     providers=40)
-    f = JournalFile(str(path))
-    assert not f.reader.skipped
+    f = JournalStream(str(path))
+    replayed = list(decisions(f))
+    assert not f.skipped
     assert len(f.recorded) == res.decisions > 500
-    report = compare(f.recorded, list(decisions(f.entries)))
+    report = compare(f.recorded, replayed)
     assert report.ok, report.summary()
     assert report.matched == len(f.recorded)
     # and through the command line, from the file without decisions

@@ -54,6 +54,8 @@ def draw(request_id: str, attempt: int, k: int) -> float:
 def _num(e: dict, name: str, kind=float):
     """A request's numeric field: finite, not a bool (0 when absent)."""
     v = e.get(name) or 0
+    if type(v) is int:  # the decoder's, nearly always (a bool is not an int here)
+        return kind(v)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ValueError(name)
     return kind(v)

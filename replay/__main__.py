@@ -9,7 +9,8 @@
 
 A journal comes from a file (--journal: JSON Lines, or the Avro container `export --avro` writes,
 the faster to read) or from Kafka (--bootstrap, --topic, --partition). It is read as it is replayed,
-so a day's journal needs no more memory than the router's state (what-if holds it: two passes).
+so a day's journal needs memory for the router's state only (an audit also holds the decisions;
+what-if holds the journal: it makes two passes).
 Replays start from the default settings and apply the journal's ConfigChange entries (rules §3).
 """
 from __future__ import annotations

@@ -21,10 +21,9 @@ from pathlib import Path
 
 from fastavro import reader, writer
 
-from replay.run import batch_gc
-from replay.sources import AVRO_READ as READ, container_schema
+from replay.run import batch_gc, replay as run_journal
+from replay.sources import AVRO_READ as READ, avro_entries, container_schema
 from streams.jsonl import read_journal
-from streams.router import Router
 
 DAY_ENTRIES = 12_000_000
 
@@ -46,27 +45,19 @@ def bare_decode(path: Path) -> tuple[int, float]:
 
 def same_entries(avro: Path, jsonl: Path) -> bool:
     """The container decodes to exactly the JSON Lines journal (else the timing replays another one)."""
-    with avro.open("rb") as fp:
-        for row, e in zip(reader(fp, **READ), read_journal(jsonl), strict=True):
-            name, record = row["event"]
-            if (row["journal_offset"], row["journal_time_ms"], name, record) != \
-                    (e.journal_offset, e.journal_time_ms, f"switchyard.{e.type}", e.record):
-                return False
-    return True
+    return all(a == e for a, e in zip(avro_entries(str(avro)), read_journal(jsonl), strict=True))
 
 
 def replay(path: Path) -> tuple[int, float, Counter]:
-    router = Router(track_changes=False)
+    """Read + `Router.apply`, as `python -m replay run --journal FILE.avro` does (without writing)."""
     outcomes: Counter = Counter()
     t0 = time.perf_counter()
-    with path.open("rb") as fp:
-        n = 0
-        for row in reader(fp, **READ):
-            name, record = row["event"]
-            for kind, out in router.apply(row["journal_offset"], row["journal_time_ms"], name.rsplit(".", 1)[-1], record):
-                if kind == "RouteDecision":
-                    outcomes[out["reason"] or out["outcome"]] += 1
-            n += 1
+    n = 0
+    for _, outputs in run_journal(avro_entries(str(path))):
+        for kind, out in outputs:
+            if kind == "RouteDecision":
+                outcomes[out["reason"] or out["outcome"]] += 1
+        n += 1
     return n, time.perf_counter() - t0, outcomes
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -128,12 +129,23 @@ class ModelIndex:
         return c
 
 
-def _scan_buffers(n: int) -> tuple:
+class ScanBuffers(NamedTuple):
     """What a scan and a selection write per row, reused by every decision of the index (a result
-    is read only while its decision is made): pending count, owned, admitted, candidates, pool
-    (bool), raw TTFT, TTFT, cost (float), equivalent rows (int)."""
+    is read only while its decision is made)."""
+    npend: np.ndarray       # pending reservations of the row's provider
+    owned: np.ndarray       # bool: the requester's account owns the provider
+    admitted: np.ndarray    # bool
+    cand: np.ndarray        # bool: admitted and within the TTFT gate
+    pool: np.ndarray        # bool: the candidates left after narrowing
+    raw: np.ndarray         # raw TTFT
+    ttft: np.ndarray        # calibrated TTFT
+    cost: np.ndarray
+    equivalent: np.ndarray  # int: the head holds the rows tied for the win
+
+
+def _scan_buffers(n: int) -> ScanBuffers:
     i, b, f = np.empty((2, n), dtype=np.int64), np.empty((4, n), dtype=bool), np.empty((3, n))
-    return (i[0], b[0], b[1], b[2], b[3], f[0], f[1], f[2], i[1])
+    return ScanBuffers(i[0], b[0], b[1], b[2], b[3], f[0], f[1], f[2], i[1])
 
 
 class FastScan:
@@ -599,7 +611,7 @@ class FastPath:
                     keep[i] = False
         kv_gb = min(P + R, adm.MAX_KV_TOKENS) * adm.KV_DEFAULT_BYTES_PER_TOKEN / adm.GIB
         long_prompt = c.long_prompt_tokens > 0 and P >= c.long_prompt_tokens
-        npend, owned, admitted, cand, _, raw, ttft, cost, _ = ix.out
+        npend, owned, admitted, cand, _, raw, ttft, cost, _ = ix.out  # ScanBuffers
         n_elig, n_ph, res.too_large, n_kvs, n_adm, res.ttft_rejections, best, no_bc = kernel.scan(
             ix.F, ix.I, ix.B, ix.decode_medians, ix.ratio_table, self.npend, self.pool, acct,
             req.self_route_only, req.requires_vision, keep, P, R, kv_gb, c.ttft_calibration,
@@ -639,7 +651,7 @@ class FastPath:
         F, I, Bc = ix.F, ix.I, ix.B
         avoid = ix.ver_codes.get(req.avoid_version, -1) if req.avoid_version else -1
         owned = res.owned if res.owned is not None else NO_ROWS
-        pool, equivalent = ix.out[4], ix.out[8]
+        pool, equivalent = ix.out.pool, ix.out.equivalent
         best, n_eq = kernel.narrow_and_cheapest(
             res.cand, owned, bool(req.prefer_owner and res.owned is not None), avoid,
             float(req.min_decode_tps), F, I, res.cost, res.npend, NEAR_TIE_MS, pool, equivalent)

@@ -408,6 +408,37 @@ def check_reservations(records: list[dict], decisions: list[dict]) -> dict:
             "ok": not doubled and routed == got}
 
 
+def trace_missing(bootstrap: str, prefix: str, app_id: str, missing: set[Key]) -> str:
+    """Where each unanswered request stopped, for the failure message: its offsets in the requests
+    topic and the journal, any decision for it, and the group's committed offsets."""
+    ids = {rid for rid, _ in missing}
+
+    def offsets(topic: str, name: str) -> dict[str, list[int]]:
+        found: dict[str, list[int]] = {}
+        for r in read_topic(bootstrap, prefix + topic, 30_000):
+            try:
+                n, rec = codec.decode(r.value)
+            except codec.CodecError:
+                continue
+            if n == name and rec.get("request_id") in ids:
+                found.setdefault(rec["request_id"], []).append(r.offset)
+        return found
+
+    async def committed() -> dict:
+        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=app_id, enable_auto_commit=False)
+        await consumer.start()
+        try:
+            tps = [TopicPartition(prefix + "switchyard." + t, 0) for t in ("requests", "journal")]
+            return {tp.topic: await consumer.committed(tp) for tp in tps}
+        finally:
+            await consumer.stop()
+
+    return (f"requests topic offsets {offsets('switchyard.requests', 'RouteRequest')}; "
+            f"journal offsets {offsets('switchyard.journal', 'RouteRequest')}; "
+            f"decisions offsets {offsets('switchyard.decisions', 'RouteDecision')}; "
+            f"committed {asyncio.run(committed())}")
+
+
 def journal(bootstrap: str, prefix: str) -> list:
     return list(kafka_journal(bootstrap, prefix + "switchyard.journal"))
 

@@ -20,7 +20,7 @@ import pytest
 from streams.broker import LocalKafka
 from streams.worker_process import Worker
 from tests.faults.support import (Load, agent_crashes, audit, check_decisions, check_reservations, journal, live_router,
-                                  replayed_router, reservations, same_state, wall_ms, write_report)
+                                  replayed_router, reservations, same_state, trace_missing, wall_ms, write_report)
 from tests.integration.kafka_io import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -85,7 +85,8 @@ def test_workers_and_clients_ride_out_broker_restarts(own_kafka, tmp_path):
 
         load.set_rate(0)
         missing = load.wait_answered(timeout=180)
-        assert not missing, f"{len(missing)} accepted requests without a final decision: {sorted(missing)[:10]}"
+        assert not missing, (f"{len(missing)} accepted requests without a final decision: {sorted(missing)[:10]}; "
+                                + trace_missing(bootstrap, prefix, app_id, set(sorted(missing)[:10])))
         assert len(load.accepted) == len(load.requests)
         wait_for(lambda: set(load.completions) >= set(load.first_routed), timeout=60, what="completions sent")
         time.sleep(3)

@@ -25,7 +25,7 @@ import pytest
 from streams.worker_process import Worker
 from tests.faults.support import (Load, agent_crashes, active_worker, audit, check_decisions, check_reservations, journal,
                                   live_router, percentile, replayed_router, reservations, restart,
-                                  same_state, wall_ms, write_report)
+                                  same_state, trace_missing, wall_ms, write_report)
 from tests.integration.kafka_io import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -75,7 +75,8 @@ def test_kill_9_of_the_active_router_under_load(kafka_bootstrap, tmp_path):
         phase_end_ms = wall_ms()
         load.set_rate(0)
         missing = load.wait_answered(timeout=120)
-        assert not missing, f"{len(missing)} requests without a final decision: {sorted(missing)[:10]}"
+        assert not missing, (f"{len(missing)} requests without a final decision: {sorted(missing)[:10]}; "
+                                + trace_missing(kafka_bootstrap, prefix, app_id, set(sorted(missing)[:10])))
         wait_for(lambda: set(load.completions) >= set(load.first_routed), timeout=60, what="completions sent")
         time.sleep(3)  # the completions reach the journal and the router
         load.stop()

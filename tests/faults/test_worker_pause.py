@@ -20,7 +20,7 @@ import pytest
 
 from streams.worker_process import Worker
 from tests.faults.support import (Load, active_worker, agent_crashes, audit, check_decisions, check_reservations,
-                                  journal, live_router, replayed_router, reservations, restart, same_state,
+                                  journal, live_router, replayed_router, reservations, restart, same_state, trace_missing,
                                   wall_ms, write_report)
 from tests.integration.kafka_io import wait_for
 
@@ -64,7 +64,8 @@ def test_a_frozen_router_comes_back_as_a_zombie_without_harm(kafka_bootstrap, tm
             time.sleep(5)
         load.set_rate(0)
         missing = load.wait_answered(timeout=120)
-        assert not missing, f"{len(missing)} requests without a final decision: {sorted(missing)[:10]}"
+        assert not missing, (f"{len(missing)} requests without a final decision: {sorted(missing)[:10]}; "
+                                + trace_missing(kafka_bootstrap, prefix, app_id, set(sorted(missing)[:10])))
         wait_for(lambda: set(load.completions) >= set(load.first_routed), timeout=60, what="completions sent")
         time.sleep(3)
         load.stop()

@@ -5,7 +5,8 @@ decode of the same journal in the same run (an Avro object container file, as `r
     .venv/bin/python -m benchmarks.replay_speed [--hours 2] [--providers 1260] [--rate 46]
 
 Generates the journal with the simulator (offline, deterministic), converts it to an Avro
-container once, then times (a) fastavro reading every entry and (b) reading + Router.apply.
+container once, then times (a) fastavro reading every entry and (b) reading + Router.apply as the
+command line does it (`JournalStream`: the file is decoded in a child process, on the other core).
 The goal is a one-day journal (≈ 12 M entries) in under 15 minutes; the day figure is extrapolated
 from the measured rate.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from fastavro import reader, writer
 
 from replay.run import batch_gc, replay as run_journal
-from replay.sources import AVRO_READ as READ, avro_entries, container_schema
+from replay.sources import AVRO_READ as READ, JournalStream, avro_entries, container_schema
 from streams.jsonl import read_journal
 
 DAY_ENTRIES = 12_000_000
@@ -53,7 +54,7 @@ def replay(path: Path) -> tuple[int, float, Counter]:
     outcomes: Counter = Counter()
     t0 = time.perf_counter()
     n = 0
-    for _, outputs in run_journal(avro_entries(str(path))):
+    for _, outputs in run_journal(JournalStream(str(path))):
         for kind, out in outputs:
             if kind == "RouteDecision":
                 outcomes[out["reason"] or out["outcome"]] += 1

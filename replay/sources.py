@@ -17,6 +17,8 @@ from streams import codec
 from streams.jsonl import JournalEntry, read_journal
 from streams.router import OUTPUT_TYPES
 
+from .reader_process import ReadInChild
+
 AVRO_MAGIC = b"Obj\x01"  # the first bytes of an Avro object container file
 # The container's event is a union of records: its branch name tells the type. Nested optional
 # records (["null", Record]) must come back as plain dicts, as the core reads them.
@@ -58,11 +60,10 @@ class JournalStream:
         self.skipped: Counter = Counter()
 
     def __iter__(self) -> Iterator[JournalEntry]:
-        if is_avro_container(self.path):
-            entries = avro_entries(self.path)
-        else:
-            entries = read_journal(self.path)
-            self.skipped = entries.skipped
+        path = self.path
+        read = avro_entries if is_avro_container(path) else read_journal
+        entries = ReadInChild(lambda: read(path))  # decoded on the other core
+        self.skipped = entries.skipped
         for entry in entries:
             if entry.type == "RouteDecision":
                 self.recorded.append(entry.record)

@@ -22,6 +22,7 @@ import sys
 from streams.jsonl import write_record
 
 from . import audit as audit_mod
+from .child_process import WriteInChild
 from . import explain as explain_mod
 from .run import batch_gc, decisions
 from .sources import JournalStream, KafkaJournal, container_schema, kafka_decisions, kafka_records
@@ -50,15 +51,11 @@ def _add_source_args(p, journal_required=False):
 
 def cmd_run(args) -> int:
     entries = _source(args)
-    out = open(args.out, "w") if args.out and args.out != "-" else sys.stdout
     n = 0
-    try:
+    with WriteInChild(args.out if args.out and args.out != "-" else None) as out:
         for d in decisions(entries):
-            write_record(out, "RouteDecision", d)
+            out.write("RouteDecision", d)
             n += 1
-    finally:
-        if out is not sys.stdout:
-            out.close()
     note = f"; skipped lines: {dict(entries.skipped)}" if entries.skipped else ""
     print(f"{n} decisions from {entries.count} journal entries{note}", file=sys.stderr)
     return 0

@@ -17,7 +17,7 @@ from streams import codec
 from streams.jsonl import JournalEntry, read_journal
 from streams.router import OUTPUT_TYPES
 
-from .reader_process import ReadInChild
+from .child_process import ReadInChild
 
 AVRO_MAGIC = b"Obj\x01"  # the first bytes of an Avro object container file
 # The container's event is a union of records: its branch name tells the type. Nested optional
@@ -138,7 +138,8 @@ class KafkaJournal:
         self.skipped: Counter = Counter()
 
     def __iter__(self) -> Iterator[JournalEntry]:
-        for entry in kafka_journal(*self.args, **self.window):
+        args, window = self.args, self.window
+        for entry in ReadInChild(lambda: kafka_journal(*args, **window)):  # fetched on the other core
             self.count += 1
             yield entry
 

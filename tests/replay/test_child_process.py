@@ -1,17 +1,21 @@
-"""The journal read in a child process (`replay.reader_process`): the same entries in the same order
-as reading in-process, the source's skipped counts, its errors, and no child left behind."""
+"""A replay's reading and writing in child processes (`replay.child_process`): the same entries and
+the same bytes as in-process, in the same order; the source's skipped counts; errors raised with
+their type; no child left behind."""
 from __future__ import annotations
 
 import math
 import multiprocessing
 import os
 
+from pathlib import Path
+
 import pytest
 
-from replay import reader_process
-from replay.reader_process import ReadInChild
+from replay import child_process
+from replay.child_process import ReadInChild, WriteInChild
 from replay.sources import JournalStream, avro_entries
-from streams.jsonl import JournalEntry, read_journal
+from streams import codec
+from streams.jsonl import JournalEntry, read_journal, write_record
 from streams.sim import offline, scenario
 
 PRESET_SECONDS = 120
@@ -27,7 +31,7 @@ def journal(tmp_path_factory):
 
 
 def test_the_child_yields_the_entries_the_source_yields_in_order(journal, monkeypatch):
-    monkeypatch.setattr(reader_process, "BATCH", 7)  # many hand-overs, and a short last one
+    monkeypatch.setattr(child_process, "BATCH", 7)  # many hand-overs, and a short last one
     want = list(read_journal(journal))
     got = list(ReadInChild(lambda: read_journal(journal)))
     assert len(want) > 500 and len(want) % 7
@@ -85,7 +89,7 @@ def test_stopping_early_leaves_no_child(journal):
 
 
 def test_without_fork_the_source_is_read_in_process(journal, monkeypatch):
-    monkeypatch.setattr(reader_process, "CAN_FORK", False)
+    monkeypatch.setattr(child_process, "CAN_FORK", False)
     child = ReadInChild(lambda: read_journal(journal))
     assert list(child) == list(read_journal(journal))
     assert not multiprocessing.active_children()
@@ -97,3 +101,57 @@ def test_special_floats_cross_the_hand_over():
     (got,) = list(ReadInChild(lambda: iter(entries)))
     assert got == entries[0]
     assert math.copysign(1, got.record["y"]) == -1 and got.record["b"] is True and type(got.record["z"]) is int
+
+
+def _decisions(journal):
+    return [e.record for e in read_journal(journal) if e.type == "RouteDecision"]
+
+
+@pytest.mark.parametrize("fork", [True, False])
+def test_the_writer_writes_the_bytes_write_record_writes(journal, tmp_path, monkeypatch, fork):
+    monkeypatch.setattr(child_process, "BATCH", 7)
+    monkeypatch.setattr(child_process, "CAN_FORK", fork)
+    records = _decisions(journal)
+    assert len(records) > 100
+    want = tmp_path / "want.jsonl"
+    with open(want, "w") as fp:
+        for r in records:
+            write_record(fp, "RouteDecision", r)
+    got = tmp_path / "got.jsonl"
+    with WriteInChild(str(got)) as out:
+        for r in records:
+            out.write("RouteDecision", r)
+    assert got.read_bytes() == want.read_bytes()
+    assert not multiprocessing.active_children()
+
+
+def test_the_writer_to_stdout_writes_once(journal, tmp_path):
+    """Through a real stdout (a file descriptor): pending output is not duplicated by the fork."""
+    import subprocess
+    import sys
+    code = ("import sys; from replay.child_process import WriteInChild; print('before', end='\\n'); "
+            "w = WriteInChild(None)\n"
+            "with w as out:\n    out.write('Tick', {'at_ms': 1})\n    out.write('Tick', {'at_ms': 2})\n"
+            "print('after')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert res.stdout.splitlines() == ["before", '{"type": "Tick", "at_ms": 1}', '{"type": "Tick", "at_ms": 2}', "after"]
+
+
+def test_a_record_the_schema_refuses_is_raised_with_its_type(journal, tmp_path, monkeypatch):
+    monkeypatch.setattr(child_process, "BATCH", 2)
+    records = _decisions(journal)[:50]
+    records[3] = dict(records[3], http_status="two hundred")
+    with pytest.raises(codec.CodecError):
+        with WriteInChild(str(tmp_path / "out.jsonl")) as out:
+            for r in records:
+                out.write("RouteDecision", r)
+    assert not multiprocessing.active_children()
+
+
+def test_an_error_in_the_parent_stops_the_writer(tmp_path):
+    with pytest.raises(KeyError):
+        with WriteInChild(str(tmp_path / "out.jsonl")) as out:
+            out.write("Tick", {"at_ms": 1})
+            raise KeyError("core bug")
+    assert not multiprocessing.active_children()

@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.fleet import fleet_events, heartbeat, model_names  # noqa: E402
-from benchmarks.pipeline_latency import WORKER_OUTPUT_TOPICS, machine_cpu, machine_info, proc_cpu_split, profile_summary  # noqa: E402
+from benchmarks.pipeline_latency import DIRECT_INPUT_TOPICS, WORKER_OUTPUT_TOPICS, machine_cpu, machine_info, proc_cpu_split, profile_summary  # noqa: E402
 from streams import codec  # noqa: E402
 
 GOAL_RATIO = 0.5
@@ -55,7 +55,8 @@ async def produce(bootstrap: str, topic: str, providers: int, models: int, per_b
 
     from streams.client import ensure_topics
 
-    await ensure_topics(bootstrap, [topic] + [topic.rpartition("switchyard.")[0] + t for t in WORKER_OUTPUT_TOPICS])
+    await ensure_topics(bootstrap, [topic] + [topic.rpartition("switchyard.")[0] + t
+                                              for t in WORKER_OUTPUT_TOPICS + DIRECT_INPUT_TOPICS])
     names = model_names(models)
     now = wall_ms()
     regs = [(rec["provider_id"], codec.encode(name, rec))
@@ -119,11 +120,11 @@ async def bare(bootstrap: str, topic: str, expected: int) -> dict:
 
 
 def worker_run(bootstrap: str, prefix: str, rundir: Path, heartbeats: int, poll: float,
-               py_spy: str | None, timeout: float) -> dict:
+               py_spy: str | None, timeout: float, module: str | None = None) -> dict:
     from streams.worker_process import Worker
 
     t0 = time.monotonic()
-    worker = Worker(bootstrap, rundir / "worker", f"switchyard-hbrate-{rundir.name}", prefix).start()
+    worker = Worker(bootstrap, rundir / "worker", f"switchyard-hbrate-{rundir.name}", prefix, module=module).start()
     spy = None
     try:
         ready_s = time.monotonic() - t0
@@ -191,6 +192,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/bench/heartbeat_rate.json")
     ap.add_argument("--workdir", default="var/bench")
     ap.add_argument("--py-spy", metavar="FILE", help="profile the worker with py-spy while it applies")
+    ap.add_argument("--worker", choices=("faust", "direct"), default="faust",
+                    help="the Faust worker (default), or `direct`: the worker's hot path on bare aiokafka, "
+                         "an experiment without state tables or failover (benchmarks/direct_router.py)")
     args = ap.parse_args(argv)
     if args.providers < 1 or args.heartbeats < 2:
         ap.error("need at least 1 provider and 2 heartbeats")
@@ -204,7 +208,7 @@ def main(argv=None) -> int:
     rundir = (ROOT / args.workdir / f"hbrate-{run_id}").resolve()
     info = machine_info()
     info.update(run_id=run_id, settings={k: getattr(args, k) for k in ("providers", "heartbeats", "models",
-                                                                         "per_box", "poll")})
+                                                                         "per_box", "poll", "worker")})
     broker = None
     result: dict = {"info": info}
     code = 0
@@ -225,7 +229,7 @@ def main(argv=None) -> int:
         print(f"bare consume+decode: {result['bare_before']['rate']:.0f} heartbeats/s", flush=True)
         print("worker: start, ingest, apply ...", flush=True)
         result["worker"] = worker_run(bootstrap, prefix, rundir, args.heartbeats, args.poll, args.py_spy,
-                                      args.timeout)
+                                      args.timeout, "benchmarks.direct_router" if args.worker == "direct" else None)
         print(f"worker: {result['worker']['rate']:.0f} heartbeats/s applied "
               f"(ready in {result['worker']['ready_s']} s)", flush=True)
         result["bare_after"] = asyncio.run(bare(bootstrap, topic, expected))

@@ -1,0 +1,159 @@
+"""An experiment for the latency benchmark: the worker's hot path on bare aiokafka, without Faust.
+
+    python -m benchmarks.pipeline_latency --worker direct   (runs this module as the system under test)
+
+What the worker does per entry, and only that: consume the four input topics, decode and refuse
+(dead-letter) what the worker refuses, append the accepted events to the journal, apply each
+entry to the real `Router` in journal order as soon as its append is acknowledged (the worker's
+sequencer), and publish the decisions (to `reply_to`) and reservations. Consumption and
+production are batched the way the bare pipeline baseline does it (`getmany`, buffered sends).
+
+What it leaves out, so it is an upper bound for "take Faust off the hot path", not a worker:
+no state tables or changelog, no consumer group (it reads every input from the start and owns
+the journal alone), no failover, no capacity feed. It answers the question the benchmark notes
+leave open: with Faust's per-message path gone, does the core plus Kafka I/O meet the latency
+goals on this machine?
+
+Environment, as for a worker: KAFKA_BOOTSTRAP_SERVERS, SWITCHYARD_TOPIC_PREFIX,
+SWITCHYARD_WEB_PORT (`/metrics` with the worker's metric names the benchmark reads).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from prometheus_client import Counter, Gauge, start_http_server
+
+from streams import codec
+from streams.config import Config
+from streams.router import Router
+from streams.scan_kernel import warm_up
+
+DOMAIN_KEY = b"default"
+INPUTS = {"switchyard.providers": codec.PROVIDER_TYPES, "switchyard.requests": {"RouteRequest"},
+          "switchyard.completions": {"Completion"}, "switchyard.config": {"ConfigChange"}}
+
+APPLIED = Counter("switchyard_journal_entries_applied_total", "Journal entries applied", ["type"])
+INGESTED = Counter("switchyard_events_ingested_total", "Input events appended", ["topic", "type"])
+DEAD = Counter("switchyard_events_dead_lettered_total", "Input events refused", ["topic", "reason"])
+DECISIONS = Counter("switchyard_decisions_total", "Decisions", ["outcome", "reason"])
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class DirectRouter:
+    def __init__(self, bootstrap: str, prefix: str):
+        self.bootstrap, self.prefix = bootstrap, prefix
+        self.router = Router(track_changes=False)  # no tables to save to
+        Gauge("switchyard_providers_online", "Provider sessions online").set_function(
+            lambda: len(self.router.providers))
+        self.journal = prefix + "switchyard.journal"
+        self.acks: asyncio.Queue = asyncio.Queue()
+        self.send_lock = asyncio.Lock()
+        self.reply_to: dict[tuple[str, int], str] = {}
+
+    async def append(self, raw: bytes, name: str, record: dict) -> None:
+        """Append to the journal; the ack joins the queue in send order (= journal order)."""
+        time_ms = wall_ms()
+        async with self.send_lock:
+            ack = await self.producer.send(self.journal, value=raw, key=DOMAIN_KEY, partition=0,
+                                           timestamp_ms=time_ms)
+            self.acks.put_nowait((ack, time_ms, name, record))
+
+    async def ingest(self) -> None:
+        while True:
+            batches = await self.consumer.getmany(timeout_ms=100, max_records=1000)
+            for tp, records in batches.items():
+                allowed = INPUTS[tp.topic[len(self.prefix):]]
+                for r in records:
+                    why = None
+                    try:
+                        name, record = codec.decode(r.value)
+                    except codec.CodecError as e:
+                        why = e.reason
+                    else:
+                        if name not in allowed:
+                            why = "unexpected_type"
+                        elif name in codec.PROVIDER_TYPES and (r.key or b"").decode("utf-8", "replace") != \
+                                record.get("provider_id"):
+                            why = "key_mismatch"
+                    if why is not None:
+                        DEAD.labels(tp.topic, why).inc()
+                        await self.producer.send(self.prefix + "switchyard.deadletter", value=r.value or b"",
+                                                 key=r.key)
+                        continue
+                    await self.append(r.value, name, record)
+                    INGESTED.labels(tp.topic, name).inc()
+
+    async def apply(self) -> None:
+        decisions = self.prefix + "switchyard.decisions"
+        reservations = self.prefix + "switchyard.reservations"
+        while True:
+            ack, time_ms, name, record = await self.acks.get()
+            offset = (await ack).offset
+            if name == "RouteRequest" and record.get("reply_to"):
+                self.reply_to[(record["request_id"], record["attempt"])] = record["reply_to"]
+            for kind, out in self.router.apply(offset, time_ms, name, record):
+                if kind == "RouteDecision":
+                    k = (out["request_id"], out["attempt"])
+                    topic = self.reply_to.get(k) if out["outcome"] == "queued" else self.reply_to.pop(k, None)
+                    await self.producer.send(topic or decisions, value=codec.encode(kind, out),
+                                             key=out["request_id"].encode())
+                    DECISIONS.labels(out["outcome"], out["reason"] or "").inc()
+                elif kind == "Reservation":
+                    await self.producer.send(reservations, value=codec.encode(kind, out),
+                                             key=out["provider_id"].encode())
+            APPLIED.labels(name).inc()
+
+    async def tick(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.append(codec.encode("Tick", {"at_ms": wall_ms()}), "Tick", {"at_ms": wall_ms()})
+
+    async def run(self) -> None:
+        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=0)
+        self.consumer = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, group_id=None,
+                                         enable_auto_commit=False, fetch_max_wait_ms=100)
+        await self.producer.start()
+        await self.consumer.start()
+        try:
+            tps = [TopicPartition(self.prefix + t, 0) for t in INPUTS]
+            self.consumer.assign(tps)
+            await self.consumer.seek_to_beginning(*tps)
+            config = Config.from_env(os.environ)
+            start = {"config_id": config.config_id, "settings": dict(config.raw), "changed_at_ms": wall_ms(),
+                     "author": "direct_router at start"}
+            await self.append(codec.encode("ConfigChange", start), "ConfigChange", start)
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            tasks = [asyncio.create_task(c) for c in
+                     (self.ingest(), self.apply(), self.tick(config.tick_interval_ms / 1000.0))]
+            print("direct router ready", flush=True)
+            stopper = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for t in tasks:
+                t.cancel()
+            for t in done:
+                if t is not stopper and t.exception() is not None:
+                    raise t.exception()
+        finally:
+            await self.consumer.stop()
+            await self.producer.stop()
+
+
+def main() -> None:
+    warm_up()
+    start_http_server(int(os.environ.get("SWITCHYARD_WEB_PORT", "6066")), addr="127.0.0.1")
+    asyncio.run(DirectRouter(os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
+                             os.environ.get("SWITCHYARD_TOPIC_PREFIX", "")).run())
+
+
+if __name__ == "__main__":
+    main()

@@ -9,10 +9,12 @@ sequencer), and publish the decisions (to `reply_to`) and reservations. Consumpt
 production are batched the way the bare pipeline baseline does it (`getmany`, buffered sends).
 
 What it leaves out, so it is an upper bound for "take Faust off the hot path", not a worker:
-no state tables or changelog, no consumer group (it reads every input from the start and owns
-the journal alone), no failover, no capacity feed. It answers the question the benchmark notes
+no consumer group (it reads every input from the start and owns the journal alone), no
+failover, no capacity feed, and by default no state. It answers the question the benchmark notes
 leave open: with Faust's per-message path gone, does the core plus Kafka I/O meet the latency
-goals on this machine?
+goals on this machine? With SWITCHYARD_DIRECT_STATE=1 it also records each entry as the worker
+does (`CoreStore`: a JSON delta per entry, the changed keys every 500 entries), produced to a
+`<prefix>direct-core-changelog` topic instead of a Faust table: what the state writes cost.
 
 Environment, as for a worker: KAFKA_BOOTSTRAP_SERVERS, SWITCHYARD_TOPIC_PREFIX,
 SWITCHYARD_WEB_PORT (`/metrics` with the worker's metric names the benchmark reads).
@@ -20,6 +22,7 @@ SWITCHYARD_WEB_PORT (`/metrics` with the worker's metric names the benchmark rea
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -28,7 +31,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from prometheus_client import Counter, Gauge, start_http_server
 
 from streams import codec
+from streams.client import ensure_topics
 from streams.config import Config
+from streams.core_store import CoreStore, json_bytes
 from streams.router import Router
 from streams.scan_kernel import warm_up
 
@@ -46,10 +51,27 @@ def wall_ms() -> int:
     return int(time.time() * 1000)
 
 
+class Changelog(dict):
+    """A table that only collects its writes, for the apply loop to produce to a changelog topic."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes: list[tuple[str, bytes | None]] = []
+
+    def __setitem__(self, key, value) -> None:
+        self.writes.append((key, value))
+
+    def pop(self, key, default=None):
+        self.writes.append((key, None))
+        return default
+
+
 class DirectRouter:
-    def __init__(self, bootstrap: str, prefix: str):
+    def __init__(self, bootstrap: str, prefix: str, state: bool = False):
         self.bootstrap, self.prefix = bootstrap, prefix
-        self.router = Router(track_changes=False)  # no tables to save to
+        self.router = Router(track_changes=state)
+        self.changelog = Changelog() if state else None
+        self.store = CoreStore(self.changelog, encode=json_bytes) if state else None
         Gauge("switchyard_providers_online", "Provider sessions online").set_function(
             lambda: len(self.router.providers))
         self.journal = prefix + "switchyard.journal"
@@ -93,21 +115,28 @@ class DirectRouter:
     async def apply(self) -> None:
         decisions = self.prefix + "switchyard.decisions"
         reservations = self.prefix + "switchyard.reservations"
+        changelog = self.prefix + "direct-core-changelog"
         while True:
             ack, time_ms, name, record = await self.acks.get()
             offset = (await ack).offset
             if name == "RouteRequest" and record.get("reply_to"):
                 self.reply_to[(record["request_id"], record["attempt"])] = record["reply_to"]
+            messages = []
             for kind, out in self.router.apply(offset, time_ms, name, record):
                 if kind == "RouteDecision":
                     k = (out["request_id"], out["attempt"])
                     topic = self.reply_to.get(k) if out["outcome"] == "queued" else self.reply_to.pop(k, None)
-                    await self.producer.send(topic or decisions, value=codec.encode(kind, out),
-                                             key=out["request_id"].encode())
+                    messages.append((topic or decisions, out["request_id"].encode(), codec.encode(kind, out)))
                     DECISIONS.labels(out["outcome"], out["reason"] or "").inc()
                 elif kind == "Reservation":
-                    await self.producer.send(reservations, value=codec.encode(kind, out),
-                                             key=out["provider_id"].encode())
+                    messages.append((reservations, out["provider_id"].encode(), codec.encode(kind, out)))
+            for topic, key, value in messages:
+                await self.producer.send(topic, value=value, key=key)
+            if self.store is not None:  # the reply keys are left out: the worker's would add a few
+                self.store.save(self.router, offset, messages)
+                for key, value in self.changelog.writes:
+                    await self.producer.send(changelog, key=json.dumps(key).encode(), value=value, partition=0)
+                self.changelog.writes.clear()
             APPLIED.labels(name).inc()
 
     async def tick(self, interval_s: float) -> None:
@@ -122,6 +151,8 @@ class DirectRouter:
         await self.producer.start()
         await self.consumer.start()
         try:
+            if self.store is not None:
+                await ensure_topics(self.bootstrap, [self.prefix + "direct-core-changelog"])
             tps = [TopicPartition(self.prefix + t, 0) for t in INPUTS]
             self.consumer.assign(tps)
             await self.consumer.seek_to_beginning(*tps)
@@ -152,7 +183,8 @@ def main() -> None:
     warm_up()
     start_http_server(int(os.environ.get("SWITCHYARD_WEB_PORT", "6066")), addr="127.0.0.1")
     asyncio.run(DirectRouter(os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
-                             os.environ.get("SWITCHYARD_TOPIC_PREFIX", "")).run())
+                             os.environ.get("SWITCHYARD_TOPIC_PREFIX", ""),
+                             state=os.environ.get("SWITCHYARD_DIRECT_STATE") == "1").run())
 
 
 if __name__ == "__main__":

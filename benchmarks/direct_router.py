@@ -3,7 +3,7 @@
     python -m benchmarks.pipeline_latency --worker direct   (runs this module as the system under test)
 
 What the worker does per entry, and only that: consume the four input topics, decode and refuse
-(dead-letter) what the worker refuses, append the accepted events to the journal, apply each
+what the worker refuses (to the dead-letter topic, as the raw message: no DeadLetter envelope), append the accepted events to the journal, apply each
 entry to the real `Router` in journal order as soon as its append is acknowledged (the worker's
 sequencer), and publish the decisions (to `reply_to`) and reservations. Consumption and
 production are batched the way the bare pipeline baseline does it (`getmany`, buffered sends).
@@ -142,7 +142,8 @@ class DirectRouter:
     async def tick(self, interval_s: float) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            await self.append(codec.encode("Tick", {"at_ms": wall_ms()}), "Tick", {"at_ms": wall_ms()})
+            tick = {"at_ms": wall_ms()}
+            await self.append(codec.encode("Tick", tick), "Tick", tick)
 
     async def run(self) -> None:
         self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=0)

@@ -37,9 +37,9 @@ from __future__ import annotations
 
 import base64
 import json
+from typing import Any, Callable, MutableMapping
 
 import orjson
-from typing import Any, Callable, MutableMapping
 
 from .persistence import SEP, export, restore
 

@@ -24,12 +24,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import time
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from prometheus_client import Counter, Gauge, start_http_server
 
+from benchmarks.echo_baselines import run_until_stopped
 from streams import codec
 from streams.client import ensure_topics
 from streams.config import Config
@@ -38,8 +38,8 @@ from streams.router import Router
 from streams.scan_kernel import warm_up
 
 DOMAIN_KEY = b"default"
-INPUTS = {"switchyard.providers": codec.PROVIDER_TYPES, "switchyard.requests": {"RouteRequest"},
-          "switchyard.completions": {"Completion"}, "switchyard.config": {"ConfigChange"}}
+INPUTS = {t: codec.TOPIC_TYPES[t] for t in
+          ("switchyard.providers", "switchyard.requests", "switchyard.completions", "switchyard.config")}
 
 APPLIED = Counter("switchyard_journal_entries_applied_total", "Journal entries applied", ["type"])
 INGESTED = Counter("switchyard_events_ingested_total", "Input events appended", ["topic", "type"])
@@ -161,20 +161,8 @@ class DirectRouter:
             start = {"config_id": config.config_id, "settings": dict(config.raw), "changed_at_ms": wall_ms(),
                      "author": "direct_router at start"}
             await self.append(codec.encode("ConfigChange", start), "ConfigChange", start)
-            stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, stop.set)
-            tasks = [asyncio.create_task(c) for c in
-                     (self.ingest(), self.apply(), self.tick(config.tick_interval_ms / 1000.0))]
-            print("direct router ready", flush=True)
-            stopper = asyncio.create_task(stop.wait())
-            done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for t in tasks:
-                t.cancel()
-            for t in done:
-                if t is not stopper and t.exception() is not None:
-                    raise t.exception()
+            await run_until_stopped([self.ingest(), self.apply(), self.tick(config.tick_interval_ms / 1000.0)],
+                                    ready="direct router ready")  # Worker.start waits for "ready"
         finally:
             await self.consumer.stop()
             await self.producer.stop()

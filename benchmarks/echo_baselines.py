@@ -65,6 +65,26 @@ async def _stage(consumer, handle, stats: dict, name: str) -> None:
             stats[name] += len(records)
 
 
+async def run_until_stopped(coroutines, ready: str = "READY") -> None:
+    """Run the child's coroutines, print `ready` (what `Child.start` waits for), and return on
+    SIGTERM or SIGINT; if one of them fails first, raise its error. The others are cancelled."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    tasks = [asyncio.create_task(c) for c in coroutines]
+    print(ready, flush=True)
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        for t in done:
+            if t is not stopper and t.exception() is not None:
+                raise t.exception()
+    finally:
+        for t in (stopper, *tasks):
+            t.cancel()
+
+
 async def serve(args) -> None:
     from aiokafka import AIOKafkaProducer
 
@@ -123,19 +143,7 @@ async def serve(args) -> None:
                 consumers.append(await _consumer_at_start(args.bootstrap, args.journal))
                 tasks.append(_stage(consumers[0], ingest, stats, "stage1"))
                 tasks.append(_stage(consumers[1], reply, stats, "stage2"))
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, stop.set)
-        loop.add_signal_handler(signal.SIGINT, stop.set)
-        running = [asyncio.create_task(t) for t in tasks]
-        print("READY", flush=True)
-        stopper = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait([stopper, *running], return_when=asyncio.FIRST_COMPLETED)
-        for t in running:
-            t.cancel()
-        for t in done:
-            if t is not stopper and t.exception() is not None:
-                raise t.exception()
+        await run_until_stopped(tasks)
     finally:
         for c in consumers:
             await c.stop()

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.echo_baselines import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Child  # noqa: E402
+from benchmarks.echo_baselines import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Child, run_until_stopped  # noqa: E402
 from benchmarks.fleet import fleet_events, heartbeat, model_names, request  # noqa: E402
 from streams import codec  # noqa: E402
 
@@ -215,10 +215,7 @@ async def fleet_main(args) -> None:
     active = asyncio.Event()
     if not args.paused:
         active.set()
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, active.clear)
     loop.add_signal_handler(signal.SIGUSR2, active.set)
 
@@ -272,17 +269,9 @@ async def fleet_main(args) -> None:
                 stats["completions"] += 1
             await asyncio.sleep(0.005)
 
-    tasks = [asyncio.create_task(t()) for t in (heartbeats, decisions, completions)]
-    print("READY", flush=True)
-    stopper = asyncio.create_task(stop.wait())
     try:
-        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
-        for t in done:
-            if t is not stopper and t.exception() is not None:
-                raise t.exception()
+        await run_until_stopped([heartbeats(), decisions(), completions()])
     finally:
-        for t in tasks:
-            t.cancel()
         await consumer.stop()
         await producer.stop()
         print(json.dumps(dict(stats)), flush=True)

@@ -4,34 +4,39 @@ worker, the fault tests and unit tests share it.
 
 Layout:
 - the state keys of `streams.persistence` (`meta`, `p<SEP>…`, `r<SEP>…`, …) and the adapter's own
-  keys (`reply<SEP>…`), each as of the last checkpoint that wrote it: {"o": that checkpoint's
-  offset, "v": the value, or None for a deleted key (a marker, not a tombstone, so it has an offset
-  too; markers older than KEEP entries are removed)};
+  keys (`reply<SEP>…`, `inputs`), each as of the last checkpoint that wrote it: {"o": that
+  checkpoint's offset, "v": the value, or None for a deleted key (a marker, not a tombstone, so it
+  has an offset too; markers older than KEEP entries are removed)};
 - `ckpt`: the journal offset of the last checkpoint;
-- `d<SEP><slot>`: the delta of one applied entry {o: offset, changes: {key: value | None},
-  outputs: [[topic, key b64, value b64], …]}, in slot `o % KEEP`, so the last KEEP entries are kept
-  without deleting anything.
+- `d<SEP><first>-<last>`: the delta of the batch of entries first..last, applied together
+  {o: last, f: first, changes: {key: value | None}, outputs: [[offset, [[topic, key b64, value
+  b64], …]], …], flushed: the offset up to which the writer knew every output was acknowledged};
+  deltas more than KEEP entries older than a checkpoint are deleted by it;
+- `flushed`: the same, written when a worker stops after flushing its producer.
 
 Values are written as JSON bytes (`encode`) when the table is the worker's raw-valued Faust table:
 Faust then passes them through to RocksDB and the changelog instead of serialising each write
 twice. A plain dict of decoded values (the tests) uses the identity default.
 
-After each entry: one write, its delta. Every FLUSH_EVERY entries: the keys those entries changed
-(merged, so a key changed many times is written once), then `ckpt`. That is about 2–3 writes per
-entry instead of one per changed key plus a write-ahead record and an outbox record.
+After each batch of entries (the worker applies what the broker acknowledged together): one write,
+its delta. Every FLUSH_EVERY entries: the keys those entries changed (merged, so a key changed many
+times is written once), then `ckpt`.
 
 Loading takes, for every key, the newest of its checkpointed value and the deltas that changed it
-(a delta is newer when its offset is above the key's "o"); deltas are full values, so re-applying
-them is idempotent, and their changes stay pending for the next checkpoint. So after a crash, when
-the table holds a prefix of the writes, the state is that of the last delta written. It also
-undoes a stale write that lands late: a worker frozen with writes still buffered (SIGSTOP, a VM
-pause) sends them when it wakes, after the new owner's, and the table keeps the last write of each
-key; the deltas newer than the stale value's offset restore the key (docs/reliability.md, bug 8),
-as long as the stale write is less than KEEP entries old.
+(a delta is newer when its last offset is above the key's "o"); deltas are full values, so
+re-applying them is idempotent, and their changes stay pending for the next checkpoint. So after a
+crash, when the table holds a prefix of the writes, the state is that of the last delta written. It
+also undoes a stale write that lands late: a worker frozen with writes still buffered (SIGSTOP, a
+VM pause) sends them when it wakes, after the new owner's, and the table keeps the last write of
+each key; the deltas newer than the stale value's offset restore the key (docs/reliability.md, bug
+8), as long as the stale write is less than KEEP entries old. A frozen worker's late delta has its
+own key (its first..last), so it overwrites nothing the owner wrote (the same key means the same
+entries, and so the same content: the core is deterministic), and it describes the state as of its
+last entry as truly as the owner's do.
 
-The deltas double as the outbox: Faust commits a journal offset only after the producer flushed,
-so outputs of entries at or after the committed offset may be lost with the process; on load they
-are re-sent from their deltas (identical bytes).
+The deltas double as the outbox: outputs are sent before their delta is written, and the delta
+records up to where the earlier outputs were acknowledged; on load, the outputs of the entries
+after that are re-sent (identical bytes).
 """
 from __future__ import annotations
 
@@ -43,10 +48,11 @@ import orjson
 
 from .persistence import SEP, export, restore
 
-KEEP = 20_000        # deltas kept (the outbox window, in entries)
+KEEP = 20_000        # entries whose deltas are kept after a checkpoint (the stale-write window)
 FLUSH_EVERY = 500    # entries between checkpoints of the keys
 DELTA = "d" + SEP
 CHECKPOINT = "ckpt"
+FLUSHED = "flushed"
 
 
 def _encode(messages) -> list:
@@ -77,54 +83,75 @@ class CoreStore:
         self.table = table
         self.encode, self.decode = encode, decode
         self.pending: dict[str, Any] = {}   # changes since the last checkpoint
-        self.since_checkpoint = 0
+        self.since_checkpoint = 0           # entries
         self.markers: dict[str, int] = {}   # deleted key -> offset of the checkpoint that marked it
+        self.deltas: dict[str, int] = {}    # delta key -> its last offset
 
-    def _read(self) -> tuple[dict[str, Any], list[dict], dict[str, Any], int, dict[str, int]]:
+    def _read(self):
         """(every key as of the last delta written, the deltas in offset order, the changes newer
-        than the checkpointed keys, how many deltas follow the checkpoint, the deletion markers)."""
+        than the checkpointed keys, how many entries follow the checkpoint, the deletion markers,
+        every delta key with its last offset, the flushed offset)."""
         items = {k: self.decode(v) for k, v in self.table.items()}
         checkpoint = items.pop(CHECKPOINT, -1)
-        deltas = sorted((items.pop(k) for k in [k for k in items if k.startswith(DELTA)]), key=lambda d: d["o"])
+        flushed = items.pop(FLUSHED, -1)
+        all_deltas = {k: items.pop(k) for k in [k for k in items if k.startswith(DELTA)]}
+        # A delta older than the checkpoint's window was due for deletion (a frozen worker's, landed
+        # late): a key whose deletion marker is gone could come back from it.
+        deltas = sorted((d for d in all_deltas.values() if d["o"] >= checkpoint - KEEP), key=lambda d: d["o"])
         version = {k: v["o"] for k, v in items.items()}
         values = {k: v["v"] for k, v in items.items()}
         pending: dict[str, Any] = {}
         for d in deltas:
             o = d["o"]
+            flushed = max(flushed, d.get("flushed", -1))
             for k, v in d["changes"].items():
                 if o > version.get(k, -1):
                     version[k] = o
                     values[k] = pending[k] = v
         markers = {k: v["o"] for k, v in items.items() if v["v"] is None}
         current = {k: v for k, v in values.items() if v is not None}
-        return current, deltas, pending, sum(d["o"] > checkpoint for d in deltas), markers
+        since = sum(d["o"] - max(d.get("f", d["o"]), checkpoint + 1) + 1 for d in deltas if d["o"] > checkpoint)
+        return current, deltas, pending, since, markers, {k: d["o"] for k, d in all_deltas.items()}, flushed
 
     def current(self) -> dict[str, Any]:
         """Every key as of the last delta written (the checkpointed keys, newer deltas re-applied)."""
         return self._read()[0]
 
     def load(self):
-        """(router, outbox, extra): the router as stored; the outbox as (offset, messages) in offset
-        order; the adapter's own keys (not the core's) as {key: value}. The changes newer than the
-        checkpointed keys stay pending for the next checkpoint."""
-        items, deltas, self.pending, self.since_checkpoint, self.markers = self._read()
-        state = [(k, v) for k, v in items.items() if not k.startswith("reply" + SEP)]
-        extra = {k: v for k, v in items.items() if k.startswith("reply" + SEP)}
-        outbox = [(d["o"], _decode(d["outputs"])) for d in deltas if d["outputs"]]
+        """(router, outbox, extra): the router as stored; the outbox, the outputs not known to be
+        acknowledged, as (offset, messages) in offset order; the adapter's own keys (not the
+        core's) as {key: value}. The changes newer than the checkpointed keys stay pending for the
+        next checkpoint."""
+        items, deltas, self.pending, self.since_checkpoint, self.markers, self.deltas, flushed = self._read()
+        state = [(k, v) for k, v in items.items() if not _adapter_key(k)]
+        extra = {k: v for k, v in items.items() if _adapter_key(k)}
+        outbox = [(o, _decode(encoded)) for d in deltas for o, encoded in d["outputs"] if encoded and o > flushed]
         return restore(state), outbox, extra
 
     def save(self, router, offset: int, messages, extra_changes: dict[str, Any] | None = None) -> None:
-        """Record the entry at `offset`: the keys the router marked dirty, `extra_changes` (the
-        adapter's keys), and the entry's output messages [(topic, key, value)]."""
+        """Record the one entry at `offset` (see `save_batch`)."""
+        self.save_batch(router, offset, offset, [(offset, messages)], extra_changes)
+
+    def save_batch(self, router, first: int, last: int, outputs, extra_changes: dict[str, Any] | None = None,
+                   flushed: int = -1) -> None:
+        """Record the entries first..last, applied since the last save: the keys the router marked
+        dirty, `extra_changes` (the adapter's keys), the entries' output messages as [(offset,
+        [(topic, key, value)])], and the offset up to which earlier outputs were acknowledged."""
         changes = export(router, router.take_dirty())
         if extra_changes:
             changes.update(extra_changes)
-        self.table[f"{DELTA}{offset % KEEP}"] = self.encode(
-            {"o": offset, "changes": changes, "outputs": _encode(messages)})
+        key = f"{DELTA}{first}-{last}"
+        self.table[key] = self.encode({"o": last, "f": first, "changes": changes, "flushed": flushed,
+                                       "outputs": [(o, _encode(m)) for o, m in outputs if m]})
+        self.deltas[key] = last
         self.pending.update(changes)
-        self.since_checkpoint += 1
+        self.since_checkpoint += last - first + 1
         if self.since_checkpoint >= FLUSH_EVERY:
-            self.checkpoint(offset)
+            self.checkpoint(last)
+
+    def mark_flushed(self, offset: int) -> None:
+        """Every output up to `offset` was acknowledged (a worker stopping after its last flush)."""
+        self.table[FLUSHED] = self.encode(offset)
 
     def checkpoint(self, offset: int) -> None:
         for k, v in self.pending.items():
@@ -133,9 +160,19 @@ class CoreStore:
                 self.markers[k] = offset
             else:
                 self.markers.pop(k, None)
-        # A marker older than every kept delta can go: no delta left could resurrect its key.
+        # A marker or a delta older than the window can go: no delta left could resurrect its key.
         for k in [k for k, o in self.markers.items() if o < offset - KEEP]:
             self.table.pop(k, None)
             del self.markers[k]
+        for k in [k for k, o in self.deltas.items() if o < offset - KEEP]:
+            self.table.pop(k, None)
+            del self.deltas[k]
         self.table[CHECKPOINT] = self.encode(offset)
         self.pending, self.since_checkpoint = {}, 0
+
+
+def _adapter_key(k: str) -> bool:
+    return k.startswith("reply" + SEP) or k == INPUTS
+
+
+INPUTS = "inputs"  # the adapter's input positions: {"topic<SEP>partition": offset of the last appended}

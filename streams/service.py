@@ -21,13 +21,12 @@ import asyncio
 import json
 import os
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 import faust
-from faust.serializers import codecs
 from faust.web import Request as WebRequest, Response, View
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -35,7 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 from . import codec, faust_consumer, faust_table
 from .config import Config
 from .kafka_security import KafkaSecurity
-from .core_store import CoreStore, json_bytes
+from .core_store import INPUTS as INPUTS_KEY, CoreStore, json_bytes
 from .persistence import SEP
 from .persistence import key as pkey
 from .router import Router
@@ -43,37 +42,6 @@ from .scan_kernel import warm_up as warm_up_scan_kernel
 
 DOMAIN_KEY = b"default"  # one routing domain: the journal's (and config topic's) constant key
 MAX_DEAD_LETTER_ORIGINAL = codec.MAX_MESSAGE_BYTES - 64 * 1024
-
-
-# --- the Avro codec as a Faust codec ----------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Decoded:
-    name: str
-    record: dict
-
-
-@dataclass(frozen=True, slots=True)
-class Undecodable:
-    reason: str
-    detail: str
-
-
-class AvroCodec(codecs.Codec):
-    """Confluent-framed Avro. Encodes `(record_name, record)`; decoding never raises, so an agent
-    can dead-letter a bad message instead of the consumer crashing on it."""
-
-    def _dumps(self, obj) -> bytes:
-        name, record = obj
-        return codec.encode(name, record)
-
-    def _loads(self, s: bytes):
-        try:
-            return Decoded(*codec.decode(s))
-        except codec.CodecError as e:
-            return Undecodable(e.reason, e.detail)
-
-
-codecs.register("avro", AvroCodec())
 
 
 # --- app ------------------------------------------------------------------------------------------
@@ -112,24 +80,26 @@ BOOTSTRAP = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
 TOPIC_PREFIX = os.environ.get("SWITCHYARD_TOPIC_PREFIX", "")
 
 
-def _topic(name: str, value_serializer: str = "avro", **kw):
-    # internal=True: the worker creates the topic at start if it is missing (one partition unless
-    # told otherwise), so agents never subscribe to a topic that does not exist yet.
-    return app.topic(TOPIC_PREFIX + name, key_type=bytes, value_serializer=value_serializer,
-                     key_serializer="raw", internal=True, **kw)
+def _topic(name: str, **kw):
+    # Faust only declares these (created at start if missing, one partition unless told otherwise);
+    # the lease holder's loop reads and writes them with aiokafka.
+    return app.topic(TOPIC_PREFIX + name, key_type=bytes, value_serializer="raw", key_serializer="raw",
+                     internal=True, **kw)
 
 
 providers_topic = _topic("switchyard.providers")
 requests_topic = _topic("switchyard.requests")
 completions_topic = _topic("switchyard.completions")
 config_topic = _topic("switchyard.config")
-# Raw: the router agent skips most entries (the sequencer applied them when they were acknowledged)
-# and decodes only those it applies.
-journal_topic = _topic("switchyard.journal", value_serializer="raw", partitions=1)
+journal_topic = _topic("switchyard.journal", partitions=1)
 decisions_topic = _topic("switchyard.decisions")
 reservations_topic = _topic("switchyard.reservations")
 capacity_topic = _topic("switchyard.capacity")
 deadletter_topic = _topic("switchyard.deadletter")
+# Nothing is ever sent here: the group's assignment of its one partition names the active worker.
+lease_topic = _topic("switchyard.lease", partitions=1)
+LEASE = TopicPartition(lease_topic.get_topic_name(), 0)
+JOURNAL = TopicPartition(journal_topic.get_topic_name(), 0)
 
 INPUTS = {
     providers_topic.get_topic_name(): codec.PROVIDER_TYPES,
@@ -137,7 +107,7 @@ INPUTS = {
     completions_topic.get_topic_name(): ("Completion",),
     config_topic.get_topic_name(): ("ConfigChange",),
 }
-faust_consumer.install(rewind=lambda tp: tp.topic in INPUTS or tp.topic == journal_topic.get_topic_name())
+faust_consumer.install(rewind=lambda tp: tp == LEASE)
 
 # The routing core's state, key by key (streams/persistence.py), checkpointed, with the deltas of
 # the last entries since (streams/core_store.py).
@@ -188,39 +158,22 @@ async def dead_letter(message, reason: str, detail: str = "") -> None:
             "detail": detail[:1000], "at_ms": wall_ms()}))
 
 
-def refusal(topic: str, key: bytes | None, value) -> tuple[str, str] | None:
-    """Why an input event may not enter the journal, or None. Stateless checks only: clamps and
-    semantic checks that need state live in the core (rules §4)."""
-    if value is None:  # a tombstone: Faust hands a null value over without calling the codec
-        return "empty", "null value (tombstone)"
-    if isinstance(value, Undecodable):
-        return value.reason, value.detail
-    if value.name not in INPUTS[topic]:
-        return "unexpected_type", value.name
+def checked(topic: str, key: bytes | None, raw: bytes | None) -> tuple[str, dict] | tuple[None, tuple[str, str]]:
+    """(name, record) of an input event that may enter the journal, or (None, (reason, detail)).
+    Stateless checks only: clamps and semantic checks that need state live in the core (rules §4)."""
+    if not raw:
+        return None, ("empty", "null value (tombstone)" if raw is None else "empty value")
+    try:
+        name, record = codec.decode(raw)
+    except codec.CodecError as e:
+        return None, (e.reason, e.detail)
+    if name not in INPUTS[topic]:
+        return None, ("unexpected_type", name)
     if topic == providers_topic.get_topic_name():
-        pid = value.record.get("provider_id") or ""
+        pid = record.get("provider_id") or ""
         if key is None or key.decode("utf-8", "replace") != pid:
-            return "key_mismatch", f"key {key!r} != provider_id {pid!r}"
-    return None
-
-
-async def ingest(stream) -> None:
-    async for event in stream.events():
-        message = event.message
-        why = refusal(message.topic, message.key, event.value)
-        if why is not None:
-            await dead_letter(message, *why)
-            continue
-        # The raw bytes are already framed with their schema id: append them unchanged. The send
-        # is buffered; Faust flushes the producer before it commits the input offsets, so an
-        # event is in the journal before its input offset counts as processed (at-least-once).
-        await sequencer.append(bytes(message.value), event.value.name, event.value.record)
-        EVENTS_INGESTED.labels(message.topic, event.value.name).inc()
-
-
-for _topic_obj, _name in ((providers_topic, "ingest_providers"), (requests_topic, "ingest_requests"),
-                          (completions_topic, "ingest_completions"), (config_topic, "ingest_config")):
-    app.agent(_topic_obj, name=_name)(ingest)
+            return None, ("key_mismatch", f"key {key!r} != provider_id {pid!r}")
+    return name, record
 
 
 # --- the router -----------------------------------------------------------------------------------
@@ -268,9 +221,9 @@ class QueueDepth:
 registry.register(QueueDepth())
 
 
-async def send_raw(topic: str, key: bytes, value: bytes) -> None:
-    # Buffered like ingest's journal append: flushed before the journal offset is committed.
-    await app.producer.send(topic, key=key, value=value, partition=None, timestamp=None, headers=None)
+async def send_raw(topic: str, key: bytes, value: bytes) -> asyncio.Future:
+    """Send (buffered by the producer); the future resolves when the broker acknowledges."""
+    return await app.producer.send(topic, key=key, value=value, partition=None, timestamp=None, headers=None)
 
 
 class ReplyTopics:
@@ -383,66 +336,338 @@ def reply_changes() -> dict:
 store = CoreStore(core_table, encode=json_bytes, decode=json.loads)
 
 
-async def catch_up(router: Router, until: int) -> None:
-    """Fold the journal entries the core has not seen, up to (excluding) `until`, discarding their
-    outputs (they were published when first applied): the in-memory state is a pure function of
-    the journal (architecture, invariant 1). A fresh worker rebuilds this way."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=BOOTSTRAP, enable_auto_commit=False,
-                                **SECURITY.aiokafka_kwargs())
-    await consumer.start()
-    try:
-        tp = TopicPartition(journal_topic.get_topic_name(), 0)
-        consumer.assign([tp])
-        consumer.seek(tp, router.offset + 1)
+# --- the lease holder's loop ----------------------------------------------------------------------
+SOURCE_HEADER = "src"  # a journal entry's input position: b"<topic><SEP><partition><SEP><offset>"
+
+
+def source_of(headers) -> tuple[str, int, int] | None:
+    for name, value in headers or ():
+        if name == SOURCE_HEADER:
+            topic, partition, offset = value.decode().split(SEP)
+            return topic, int(partition), int(offset)
+    return None
+
+
+@dataclass
+class Batch:
+    """Entries applied since the last save: their outputs, and the sends' futures."""
+    first: int | None = None
+    outputs: list = field(default_factory=list)      # [(offset, [(topic, key, value)])]
+    futures: list = field(default_factory=list)
+
+
+class Active:
+    """What the worker holding the lease does (the partition of `switchyard.lease`, granted by the
+    Faust group): ingest, append to the journal, apply, publish, save. On bare aiokafka consumers
+    and Faust's producer, not Faust streams: Faust's per-message path cost ten times the core
+    (docs/benchmarks.md). Faust keeps the membership, the table and `/metrics`.
+
+    Start: load the state from the table, re-send the outputs not known to be acknowledged, apply
+    the journal entries after the state (a previous owner's, a zombie's) with their outputs, record
+    this worker's settings if they differ, then resume each input after the last position the
+    journal holds (each entry carries its input position in a header: the journal, not a
+    committed offset, says what was ingested). Live: an input is appended to the journal and applied
+    when the broker acknowledges its offset (the sequencer: architecture, "Latency"); an entry that
+    is not the next one means someone else appended (a zombie), and the entries between are read
+    from the journal and applied first. The entries acknowledged together are saved in one delta.
+    Stop (the lease revoked, the worker stopping): stop ingesting, apply what was appended, flush.
+    An error restarts the loop from the table (the supervisor)."""
+
+    def __init__(self):
+        self.task: asyncio.Task | None = None
+        self.acks: asyncio.Queue | None = None
+        self.applying = False
+        self.ingesting: list[asyncio.Task] = []
+        self.busy = False                                   # the apply loop holds a batch
+        self.inputs: dict[str, int] = {}                    # "topic<SEP>partition" -> last appended
+        self.inputs_changed = False
+        self.unflushed: deque = deque()                     # (last offset, futures) per saved batch
+        self.flushed = -1
+
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    def start(self) -> None:
+        self.task = asyncio.ensure_future(self._run())
+
+    async def stop(self, drain_s: float = 5.0) -> None:
+        task, self.task = self.task, None
+        if task is None:
+            return
+        for part in self.ingesting:  # nothing new is appended ...
+            part.cancel()
+        deadline = time.monotonic() + drain_s
+        while not task.done() and (self.busy or (self.acks is not None and not self.acks.empty())) \
+                and time.monotonic() < deadline:  # ... and what was appended is applied
+            await asyncio.sleep(0.005)
+        task.cancel()
+        try:
+            await task
+        except BaseException:  # cancelled, or the error the supervisor would have logged
+            pass
+        self.applying = False
+        try:
+            await app.producer.flush()   # outputs, then the deltas that record them
+            self._advance_flushed()
+            if not self.unflushed:
+                store.mark_flushed(router.offset)
+                await app.producer.flush()
+        except Exception as exc:
+            app.log.warning("router: flush at stop failed (%r); the next owner re-sends", exc)
+        app.log.info("router: stopped at journal offset %s", router.offset)
+
+    # -- appending -------------------------------------------------------------------------------
+    async def append(self, raw: bytes, name: str, record: dict, source: tuple | None = None) -> None:
+        """Append an event to the journal; its acknowledgement joins the queue in journal order."""
+        time_ms = wall_ms()
+        headers = [(SOURCE_HEADER, SEP.join(map(str, source)).encode())] if source else None
+        async with self.append_lock:
+            ack = await app.producer.send(journal_topic.get_topic_name(), key=DOMAIN_KEY, value=raw, partition=0,
+                                          timestamp=ms_to_kafka_seconds(time_ms), headers=headers)
+            self.acks.put_nowait((ack, time_ms, name, record, raw, source))
+
+    async def _ingest(self, consumer: AIOKafkaConsumer) -> None:
+        while True:
+            batches = await consumer.getmany(timeout_ms=100, max_records=1000)
+            for tp, records in batches.items():
+                for r in records:
+                    name, record = checked(tp.topic, r.key, r.value)
+                    if name is None:
+                        await dead_letter(r, *record)
+                        continue
+                    # The raw bytes are already framed with their schema id: appended unchanged.
+                    await self.append(r.value, name, record, (tp.topic, tp.partition, r.offset))
+                    EVENTS_INGESTED.labels(tp.topic, name).inc()
+
+    async def _tick(self) -> None:
+        """Ticks put time-driven work (queue timeouts, staleness) at recorded journal positions."""
+        while True:
+            await asyncio.sleep(worker_config.tick_interval_ms / 1000.0)
+            tick = {"at_ms": wall_ms()}
+            await self.append(codec.encode("Tick", tick), "Tick", tick)
+
+    # -- applying --------------------------------------------------------------------------------
+    def _note_input(self, source: tuple | None) -> None:
+        if source is not None:
+            topic, partition, offset = source
+            k = f"{topic}{SEP}{partition}"
+            if offset > self.inputs.get(k, -1):
+                self.inputs[k] = offset
+                self.inputs_changed = True
+
+    async def _apply_one(self, offset: int, entry_ms: int, name: str | None, record, key: bytes | None,
+                         raw: bytes, batch: Batch) -> None:
+        """Apply the journal entry at `offset` (the next one) and publish its outputs."""
+        if batch.first is None:
+            batch.first = offset
+        if name is None:  # undecodable or null; only this app writes the journal
+            JOURNAL_APPLIED.labels("undecodable").inc()
+            router.offset = offset
+            return
+        try:
+            outputs = apply_entry(offset, entry_ms, name, record)
+        except Exception as exc:  # a core bug must not stop the domain: count it, keep going
+            app.log.exception("core failed on journal offset %s", offset)
+            CORE_ERRORS.labels(type(exc).__name__).inc()
+            router.offset = offset
+            return
+        messages = encode_outputs_safely(outputs, (offset, entry_ms, key, raw))
+        for topic, k, data in messages:
+            batch.futures.append(await send_raw(topic, k, data))
+        batch.outputs.append((offset, messages))
+        observe(outputs, entry_ms, record if name == "RouteRequest" else None)
+        JOURNAL_APPLIED.labels(name).inc()
+        JOURNAL_LAG.set(max(0.0, time.time() - entry_ms / 1000))
+
+    async def _read_journal(self, until: int, batch: Batch) -> None:
+        """Apply the journal entries from router.offset + 1 up to (excluding) `until`, read from the
+        journal: entries this loop did not append (a previous owner's, a zombie's), whose outputs
+        nobody is known to have published."""
+        self.journal.seek(JOURNAL, router.offset + 1)
         while router.offset + 1 < until:
-            batch = await consumer.getmany(tp, timeout_ms=1000, max_records=5000)
-            for record in batch.get(tp, []):
-                if record.offset >= until:
+            records = (await self.journal.getmany(JOURNAL, timeout_ms=1000, max_records=2000)).get(JOURNAL, [])
+            for r in records:
+                if r.offset >= until:
                     break
-                try:
-                    name, value = codec.decode(record.value)
-                except codec.CodecError:
-                    router.offset = record.offset
+                if r.offset <= router.offset:
                     continue
-                apply_entry(record.offset, record.timestamp, name, value)
+                try:
+                    name, record = codec.decode(r.value)
+                except codec.CodecError:
+                    name, record = None, None
+                self._note_input(source_of(r.headers))
+                await self._apply_one(r.offset, r.timestamp, name, record, r.key, r.value or b"", batch)
                 REPLAYED.inc()
-    finally:
-        await consumer.stop()
+
+    def _advance_flushed(self) -> None:
+        while self.unflushed and all(f.done() for f in self.unflushed[0][1]):
+            last, futures = self.unflushed.popleft()
+            if any(f.cancelled() or f.exception() is not None for f in futures):
+                raise RuntimeError(f"outputs of journal entries up to {last} not acknowledged")
+            self.flushed = last
+
+    def _save(self, batch: Batch) -> None:
+        if batch.first is None:
+            return
+        self._advance_flushed()
+        extra = reply_changes()
+        if self.inputs_changed:
+            extra[INPUTS_KEY] = dict(self.inputs)
+            self.inputs_changed = False
+        store.save_batch(router, batch.first, router.offset, batch.outputs, extra, self.flushed)
+        self.unflushed.append((router.offset, batch.futures))
+
+    async def _apply(self) -> None:
+        while True:
+            items = [await self.acks.get()]
+            self.busy = True
+            while not self.acks.empty():
+                items.append(self.acks.get_nowait())
+            batch = Batch()
+            for ack, time_ms, name, record, raw, source in items:
+                offset = (await ack).offset  # not acknowledged: the loop restarts from the table
+                if offset <= router.offset:
+                    continue
+                if offset > router.offset + 1:
+                    app.log.info("router: journal offsets %s..%s appended by another worker",
+                                 router.offset + 1, offset - 1)
+                    await self._read_journal(offset, batch)
+                self._note_input(source)
+                await self._apply_one(offset, time_ms, name, record, DOMAIN_KEY, raw, batch)
+                APPLIED_ON_ACK.inc()
+            self._save(batch)
+            self.busy = False
+
+    # -- the whole loop --------------------------------------------------------------------------
+    async def _load(self) -> None:
+        global router
+        router, outbox, extra = store.load()
+        reply_topics.by_request.clear()
+        for k, v in extra.items():
+            if k.startswith("reply" + SEP):
+                _, rid, attempt = k.split(SEP)
+                reply_topics.by_request[(rid, int(attempt))] = v
+        self.inputs = dict(extra.get(INPUTS_KEY) or {})
+        self.unflushed.clear()
+        app.log.info("router: state loaded at journal offset %s; %s entries' outputs to re-send",
+                     router.offset, len(outbox))
+        futures = []
+        for _, messages in outbox:
+            for topic, key, data in messages:
+                futures.append(await send_raw(topic, key, data))
+            RESENT.inc()
+        self.flushed = router.offset if not outbox else -1
+        if outbox:
+            self.unflushed.append((router.offset, futures))
+
+    async def _record_config(self) -> None:
+        """A worker whose settings differ from the last recorded ones appends a ConfigChange (rules
+        §3) before deciding anything: a full patch, so the recorded config becomes exactly this
+        worker's."""
+        recorded = dict(router.config.raw) if router.offset >= 0 else None
+        if recorded == dict(worker_config.raw):
+            return
+        patch = {name: "" for name in recorded or {}}
+        patch.update(worker_config.raw)
+        change = {"config_id": worker_config.config_id, "settings": patch, "changed_at_ms": wall_ms(),
+                  "author": f"worker {app.conf.id} at start"}
+        await self.append(codec.encode("ConfigChange", change), "ConfigChange", change)
+
+    async def _run(self) -> None:
+        self.acks, self.append_lock, self.busy = asyncio.Queue(), asyncio.Lock(), False
+        kafka = dict(bootstrap_servers=BOOTSTRAP, enable_auto_commit=False, **SECURITY.aiokafka_kwargs())
+        self.journal = AIOKafkaConsumer(**kafka)
+        inputs = AIOKafkaConsumer(fetch_max_wait_ms=faust_consumer.FETCH_MAX_WAIT_MS, **kafka)
+        try:
+            await topics_declared.wait()
+            await self._load()
+            await self.journal.start()
+            self.journal.assign([JOURNAL])
+            end = (await self.journal.end_offsets([JOURNAL]))[JOURNAL]
+            batch = Batch()
+            await self._read_journal(end, batch)
+            self._save(batch)
+            await self._record_config()
+            await inputs.start()
+            tps = [TopicPartition(t, p) for t in INPUTS for p in sorted(inputs.partitions_for_topic(t) or {0})]
+            inputs.assign(tps)
+            for tp in tps:
+                last = self.inputs.get(f"{tp.topic}{SEP}{tp.partition}")
+                if last is None:
+                    await inputs.seek_to_beginning(tp)
+                else:
+                    inputs.seek(tp, last + 1)
+            self.applying = True
+            app.log.info("router: active from journal offset %s", router.offset + 1)
+            self.ingesting = [asyncio.ensure_future(self._ingest(inputs)), asyncio.ensure_future(self._tick())]
+            apply = asyncio.ensure_future(self._apply())
+            try:
+                done, _ = await asyncio.wait([apply, *self.ingesting], return_when=asyncio.FIRST_EXCEPTION)
+                for part in done:
+                    part.result()
+            finally:
+                for part in (apply, *self.ingesting):
+                    part.cancel()
+        finally:
+            self.applying = False
+            await inputs.stop()
+            await self.journal.stop()
 
 
-async def append_to_journal(name: str, record: dict) -> None:
-    await sequencer.append(codec.encode(name, record), name, record)
+active = Active()
+
+
+@app.agent(lease_topic, name="lease")
+async def lease(stream) -> None:
+    """Subscribes this worker to the lease topic, so the group assigns its partition."""
+    async for _ in stream:
+        pass
+
+
+@app.on_partitions_revoked.connect
+async def on_revoked(sender, revoked, **kwargs) -> None:
+    # Inside the rebalance: the next owner is assigned the lease only after this returns.
+    if active.task is not None:
+        await active.stop()
+
+
+@app.on_before_shutdown.connect
+async def on_shutdown(sender, **kwargs) -> None:
+    await active.stop()
 
 
 @app.task
-async def declare_output_topics() -> None:
-    """Output topics exist before the first decision: no wait on broker auto-creation (which most
+async def supervise() -> None:
+    """Starts the loop while this worker holds the lease and its table is recovered; restarts it
+    from the table after an error."""
+    while True:
+        await asyncio.sleep(0.1)
+        if active.task is not None and active.task.done():
+            exc = active.task.exception() if not active.task.cancelled() else None
+            app.log.error("router: loop stopped (%r); restarting from the table", exc)
+            CORE_ERRORS.labels(f"loop_{type(exc).__name__}").inc()
+            active.task = None
+            await asyncio.sleep(1.0)
+            continue
+        holds = LEASE in app.assignor.assigned_actives() and not app.rebalancing and not app.in_recovery \
+            and app.tables.recovery.completed.is_set()
+        if holds and active.task is None:
+            active.start()
+        elif not holds and active.task is not None:
+            await active.stop()
+
+
+@app.task
+async def declare_topics() -> None:
+    """Every topic exists before the loop starts: no wait on broker auto-creation (which most
     production clusters turn off)."""
-    for topic in (decisions_topic, reservations_topic, capacity_topic, deadletter_topic):
+    for topic in (providers_topic, requests_topic, completions_topic, config_topic, journal_topic,
+                  decisions_topic, reservations_topic, capacity_topic, deadletter_topic):
         await topic.maybe_declare()
+    topics_declared.set()
 
 
-@app.task(on_leader=True)
-async def record_worker_config() -> None:
-    """A worker whose settings differ from the last recorded ones appends a ConfigChange (rules §3):
-    a full patch, so the recorded config becomes exactly this worker's."""
-    await app.tables.recovery.completed.wait()
-    recorded = store.current().get("meta")
-    if recorded is not None and recorded.get("settings") == dict(worker_config.raw):
-        return
-    patch = {name: "" for name in (recorded or {}).get("settings", {})}
-    patch.update(worker_config.raw)
-    if recorded is None and not patch:
-        patch = {}  # nothing recorded and all defaults: still record the starting config
-    await append_to_journal("ConfigChange", {
-        "config_id": worker_config.config_id, "settings": patch, "changed_at_ms": wall_ms(),
-        "author": f"worker {app.conf.id} at start"})
-
-
-@app.timer(interval=worker_config.tick_interval_ms / 1000.0, on_leader=True)
-async def tick() -> None:
-    """Ticks put time-driven work (queue timeouts, staleness) at recorded journal positions."""
-    await append_to_journal("Tick", {"at_ms": wall_ms()})
+topics_declared = asyncio.Event()
 
 
 last_capacity: dict[str, dict] = {}
@@ -451,7 +676,7 @@ last_capacity: dict[str, dict] = {}
 @app.timer(interval=1.0)
 async def publish_capacity() -> None:
     """The per-model capacity feed (domain §2.10.7): at most once a second per model, when it changed."""
-    if router.offset < 0:
+    if not active.applying:
         return
     for model in router.models():
         await asyncio.sleep(0)  # one model at a time: a big fleet's feed takes tens of ms
@@ -460,114 +685,3 @@ async def publish_capacity() -> None:
         if last_capacity.get(model) != same:
             last_capacity[model] = same
             await send_raw(capacity_topic.get_topic_name(), model.encode(), codec.encode("ModelCapacity", feed))
-
-
-# Both paths below apply journal entries; one lock keeps their applies (and the table writes and
-# outputs of each entry) in journal order.
-apply_lock = asyncio.Lock()
-loaded = False  # the state was loaded from the tables (by the router agent's first entry)
-
-
-async def apply_and_publish(offset: int, entry_ms: int, name: str | None, record, key: bytes | None,
-                            raw: bytes) -> None:
-    """Apply the journal entry at `offset` (the next one), publish its outputs, save the state."""
-    if name is None:  # undecodable or null; only this app writes the journal
-        JOURNAL_APPLIED.labels("undecodable").inc()
-        router.offset = offset
-        return
-    try:
-        outputs = apply_entry(offset, entry_ms, name, record)
-    except Exception as exc:  # a core bug must not stop the domain: count it, keep going
-        app.log.exception("core failed on journal offset %s", offset)
-        CORE_ERRORS.labels(type(exc).__name__).inc()
-        router.offset = offset
-        return
-    messages = encode_outputs_safely(outputs, (offset, entry_ms, key, raw))
-    for topic, k, data in messages:
-        await send_raw(topic, k, data)
-    store.save(router, offset, messages, reply_changes())
-    observe(outputs, entry_ms, record if name == "RouteRequest" else None)
-    JOURNAL_APPLIED.labels(name).inc()
-    JOURNAL_LAG.set(max(0.0, time.time() - entry_ms / 1000))
-
-
-class Sequencer:
-    """The router as the journal's sequencer (architecture, "Latency"): an event this worker appends
-    is applied as soon as the broker acknowledges its journal offset, not after a fetch of the
-    journal, which takes a hop off every reply. The journal stays the authority: an acknowledged
-    entry is applied here only if this worker owns the journal, the state is loaded and the entry
-    is the next one (offset == router.offset + 1). Anything else — an entry another worker
-    appended (a standby leader's Tick), a failed send, a gap — is left to the router agent, which
-    follows the journal and skips what is already applied."""
-
-    def __init__(self):
-        self.acks: asyncio.Queue = asyncio.Queue()  # binds to the running loop at first use
-
-    async def append(self, raw: bytes, name: str, record: dict) -> None:
-        time_ms = wall_ms()
-        ack = await app.producer.send(journal_topic.get_topic_name(), key=DOMAIN_KEY, value=raw,
-                                      partition=0, timestamp=ms_to_kafka_seconds(time_ms), headers=None)
-        self.acks.put_nowait((ack, time_ms, name, record, raw))  # in send order = journal order
-
-    async def run(self) -> None:
-        journal = journal_topic.get_topic_name()
-        while True:
-            ack, time_ms, name, record, raw = await self.acks.get()
-            try:
-                offset = (await ack).offset
-            except Exception as exc:  # not known to be in the journal: the router agent decides
-                app.log.warning("journal append not acknowledged (%s); left to the router agent", exc)
-                continue
-            async with apply_lock:
-                if not loaded or offset != router.offset + 1 or \
-                        TopicPartition(journal, 0) not in app.consumer.assignment():
-                    continue
-                try:
-                    await apply_and_publish(offset, time_ms, name, record, DOMAIN_KEY, raw)
-                except Exception as exc:  # must not stop the worker (a task's error would)
-                    app.log.exception("sequencer failed on journal offset %s", offset)
-                    CORE_ERRORS.labels(f"sequencer_{type(exc).__name__}").inc()
-                    continue
-                APPLIED_ON_ACK.inc()
-
-
-sequencer = Sequencer()
-
-
-@app.task
-async def run_sequencer() -> None:
-    await sequencer.run()
-
-
-@app.agent(journal_topic, name="router")
-async def route(stream) -> None:
-    global router, loaded
-    async for event in stream.events():
-        message, value = event.message, event.value
-        offset = message.offset
-        async with apply_lock:
-            if not loaded:  # first entry after (re)start: state from the tables, lost outputs re-sent
-                loaded = True
-                if router.offset < 0:
-                    router, outbox, replies = store.load()
-                    for k, v in replies.items():
-                        _, rid, attempt = k.split(SEP)
-                        reply_topics.by_request[(rid, int(attempt))] = v
-                    app.log.info("router: state loaded at journal offset %s; first entry %s", router.offset, offset)
-                    for o, messages in outbox:
-                        if offset <= o <= router.offset:
-                            for topic, key, data in messages:
-                                await send_raw(topic, key, data)
-                            RESENT.inc()
-            if offset <= router.offset:  # redelivered, or applied on its acknowledgement
-                continue
-            if offset > router.offset + 1:
-                app.log.info("router: catching up journal offsets %s..%s", router.offset + 1, offset - 1)
-                await catch_up(router, offset)
-                app.log.info("router: caught up")
-            raw = bytes(value or b"")
-            try:
-                name, record = codec.decode(raw)
-            except codec.CodecError:
-                name, record = None, None
-            await apply_and_publish(offset, round(message.timestamp * 1000), name, record, message.key, raw)

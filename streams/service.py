@@ -53,7 +53,18 @@ def _rocksdb_options() -> dict:
 
 SECURITY = KafkaSecurity.from_env()  # PLAINTEXT unless KAFKA_SECURITY_PROTOCOL says otherwise
 
-app = faust.App(
+class App(faust.App):
+    async def on_stop(self) -> None:
+        # Before Faust stops its consumer and tables: the loop applies what it appended, saves it
+        # and flushes, so a graceful stop leaves nothing to re-send.
+        shutting_down.set()
+        await active.stop()
+        await super().on_stop()
+
+
+shutting_down = asyncio.Event()
+
+app = App(
     os.environ.get("SWITCHYARD_APP_ID", "switchyard"),
     broker="kafka://" + os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
     broker_credentials=SECURITY.faust_credentials(),
@@ -196,7 +207,8 @@ BAND_SELECTIONS = Counter("switchyard_band_selections_total", "Decisions picked 
 JOURNAL_LAG = Gauge("switchyard_journal_lag_seconds", "Wall time minus the last applied entry's time",
                     registry=registry)
 REPLAYED = Counter("switchyard_journal_entries_replayed_total",
-                   "Entries folded from the journal at start because the tables were behind",
+                   "Entries applied as read from the journal (after the tables' state at start, or "
+                   "appended by another worker), not on their append's acknowledgement",
                    registry=registry)
 APPLIED_ON_ACK = Counter("switchyard_journal_entries_applied_on_ack_total",
                          "Entries applied when their journal append was acknowledged (the sequencer), "
@@ -564,7 +576,7 @@ class Active:
         """A worker whose settings differ from the last recorded ones appends a ConfigChange (rules
         §3) before deciding anything: a full patch, so the recorded config becomes exactly this
         worker's."""
-        recorded = dict(router.config.raw) if router.offset >= 0 else None
+        recorded = dict(router.config.raw) if router.counters.get("config_changes") else None
         if recorded == dict(worker_config.raw):
             return
         patch = {name: "" for name in recorded or {}}
@@ -631,16 +643,11 @@ async def on_revoked(sender, revoked, **kwargs) -> None:
         await active.stop()
 
 
-@app.on_before_shutdown.connect
-async def on_shutdown(sender, **kwargs) -> None:
-    await active.stop()
-
-
 @app.task
 async def supervise() -> None:
     """Starts the loop while this worker holds the lease and its table is recovered; restarts it
     from the table after an error."""
-    while True:
+    while not shutting_down.is_set():
         await asyncio.sleep(0.1)
         if active.task is not None and active.task.done():
             exc = active.task.exception() if not active.task.cancelled() else None
@@ -651,7 +658,7 @@ async def supervise() -> None:
             continue
         holds = LEASE in app.assignor.assigned_actives() and not app.rebalancing and not app.in_recovery \
             and app.tables.recovery.completed.is_set()
-        if holds and active.task is None:
+        if holds and active.task is None and not shutting_down.is_set():
             active.start()
         elif not holds and active.task is not None:
             await active.stop()

@@ -177,3 +177,59 @@ def test_a_store_of_encoded_values_writes_the_same_json_and_loads_the_same_state
     loaded, outbox, _ = CoreStore(raw, encode=core_store.json_bytes, decode=json.loads).load()
     assert state(loaded) == state(CoreStore(dict(plain)).load()[0]) == state(plain_router)
     assert outbox and outbox == CoreStore(dict(plain)).load()[1]
+
+
+def _apply_in_batches(router, store, items, sizes, flushed=-1):
+    """Apply `items`, saving one delta per batch, the batch sizes cycling through `sizes`."""
+    i, n = 0, 0
+    while i < len(items):
+        batch = items[i:i + sizes[n % len(sizes)]]
+        for offset, kind, record in batch:
+            router.apply(offset, None, kind, dict(record))
+        outputs = [(o, [("decisions", b"k%d" % o, b"v%d" % o)]) for o, _, _ in batch]
+        store.save_batch(router, batch[0][0], batch[-1][0], outputs, flushed=flushed)
+        i, n = i + len(batch), n + 1
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), c=st.integers(1, 40), frozen_sizes=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+       owner_sizes=st.lists(st.integers(1, 5), min_size=1, max_size=4))
+def test_a_zombies_late_batches_with_other_boundaries_do_not_win(small_windows, seed, c, frozen_sizes, owner_sizes):
+    """The worker saves one delta per batch of acknowledged entries, and batches differ between
+    workers. A frozen worker's deltas and checkpoint landing late, after the new owner's batches
+    of the same entries, must still load as the owner's state."""
+    items = list(entries(journal(seed, 5, 60)))
+    table = RecordingTable()
+    frozen, frozen_store = Router(), CoreStore(table)
+    _apply_in_batches(frozen, frozen_store, items[:c], frozen_sizes)
+    frozen_store.table = buffered = RecordingTable()  # from here on its writes do not get out
+    _apply_in_batches(frozen, frozen_store, items[c:c + 8], frozen_sizes)
+    owner_store = CoreStore(table)
+    owner, _, _ = owner_store.load()
+    assert owner.offset == items[c - 1][0]
+    _apply_in_batches(owner, owner_store, items[c:c + 10], owner_sizes)
+    for k, v in buffered.log:  # the frozen router wakes up
+        if v is None:
+            table.pop(k, None)
+        else:
+            table[k] = v
+    assert state(CoreStore(dict(table)).load()[0]) == state(owner)
+    _apply_in_batches(owner, owner_store, items[c + 10:c + 14], owner_sizes)
+    fresh = Router()
+    for offset, kind, record in items[:c + 14]:
+        fresh.apply(offset, None, kind, dict(record))
+    assert state(CoreStore(dict(table)).load()[0]) == state(owner) == state(fresh)
+
+
+def test_the_outbox_holds_the_outputs_after_the_flushed_offset():
+    items = list(entries(journal(7, 4, 12)))
+    router, table = Router(), {}
+    store = CoreStore(table)
+    _apply_in_batches(router, store, items[:6], [3])                    # flushed unknown: -1
+    _apply_in_batches(router, store, items[6:], [2], flushed=items[3][0])
+    _, outbox, _ = CoreStore(dict(table)).load()
+    assert [o for o, _ in outbox] == [o for o, _, _ in items[4:]]
+    assert outbox[0][1] == [("decisions", b"k%d" % items[4][0], b"v%d" % items[4][0])]
+    store.mark_flushed(router.offset)                                   # a graceful stop
+    assert CoreStore(dict(table)).load()[1] == []

@@ -24,7 +24,7 @@ from aiokafka import AIOKafkaProducer
 from replay.run import replay
 from replay.sources import kafka_decisions
 from streams import codec
-from streams.core_store import DELTA, KEEP
+from streams.core_store import DELTA
 from streams.persistence import export
 from streams.persistence import key as pkey
 from streams.router import Router
@@ -87,9 +87,10 @@ def test_a_half_written_entry_is_completed_in_the_table(kafka_bootstrap, tmp_pat
     messages = [(prefix + "switchyard.decisions", rid.encode(), codec.encode("RouteDecision", decision))]
     messages += [(prefix + "switchyard.reservations", r["provider_id"].encode(), codec.encode("Reservation", r))
                  for k, r in outputs if k == "Reservation"]
-    delta = {"o": entry.journal_offset, "changes": changes,
-             "outputs": [(t, base64.b64encode(k).decode(), base64.b64encode(v).decode()) for t, k, v in messages]}
-    asyncio.run(_send(bootstrap, f"{app_id}-core-changelog", json.dumps(f"{DELTA}{entry.journal_offset % KEEP}").encode(),
+    o = entry.journal_offset
+    delta = {"o": o, "f": o, "changes": changes, "flushed": -1,
+             "outputs": [(o, [(t, base64.b64encode(k).decode(), base64.b64encode(v).decode()) for t, k, v in messages])]}
+    asyncio.run(_send(bootstrap, f"{app_id}-core-changelog", json.dumps(f"{DELTA}{o}-{o}").encode(),
                       json.dumps(delta).encode()))
 
     # The takeover: a worker with an empty data dir recovers the table from the changelog, loads

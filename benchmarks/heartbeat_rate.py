@@ -120,11 +120,11 @@ async def bare(bootstrap: str, topic: str, expected: int) -> dict:
 
 
 def worker_run(bootstrap: str, prefix: str, rundir: Path, heartbeats: int, poll: float,
-               py_spy: str | None, timeout: float, module: str | None = None) -> dict:
+               py_spy: str | None, timeout: float) -> dict:
     from streams.worker_process import Worker
 
     t0 = time.monotonic()
-    worker = Worker(bootstrap, rundir / "worker", f"switchyard-hbrate-{rundir.name}", prefix, module=module).start()
+    worker = Worker(bootstrap, rundir / "worker", f"switchyard-hbrate-{rundir.name}", prefix).start()
     spy = None
     try:
         ready_s = time.monotonic() - t0
@@ -192,9 +192,6 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="out/bench/heartbeat_rate.json")
     ap.add_argument("--workdir", default="var/bench")
     ap.add_argument("--py-spy", metavar="FILE", help="profile the worker with py-spy while it applies")
-    ap.add_argument("--worker", choices=("faust", "direct"), default="faust",
-                    help="the Faust worker (default), or `direct`: the worker's hot path on bare aiokafka, "
-                         "an experiment without state tables or failover (benchmarks/direct_router.py)")
     args = ap.parse_args(argv)
     if args.providers < 1 or args.heartbeats < 2:
         ap.error("need at least 1 provider and 2 heartbeats")
@@ -208,7 +205,7 @@ def main(argv=None) -> int:
     rundir = (ROOT / args.workdir / f"hbrate-{run_id}").resolve()
     info = machine_info()
     info.update(run_id=run_id, settings={k: getattr(args, k) for k in ("providers", "heartbeats", "models",
-                                                                         "per_box", "poll", "worker")})
+                                                                         "per_box", "poll")})
     broker = None
     result: dict = {"info": info}
     code = 0
@@ -229,7 +226,7 @@ def main(argv=None) -> int:
         print(f"bare consume+decode: {result['bare_before']['rate']:.0f} heartbeats/s", flush=True)
         print("worker: start, ingest, apply ...", flush=True)
         result["worker"] = worker_run(bootstrap, prefix, rundir, args.heartbeats, args.poll, args.py_spy,
-                                      args.timeout, "benchmarks.direct_router" if args.worker == "direct" else None)
+                                      args.timeout)
         print(f"worker: {result['worker']['rate']:.0f} heartbeats/s applied "
               f"(ready in {result['worker']['ready_s']} s)", flush=True)
         result["bare_after"] = asyncio.run(bare(bootstrap, topic, expected))

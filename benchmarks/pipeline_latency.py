@@ -61,9 +61,6 @@ SYSTEMS = ("echo", "pipeline", "pipeline_shared", "switchyard")  # pipeline_shar
 DEFAULT_SYSTEMS = ("echo", "pipeline", "switchyard")
 WORKER_OUTPUT_TOPICS = ("switchyard.decisions", "switchyard.reservations", "switchyard.capacity",
                         "switchyard.deadletter")
-# benchmarks/direct_router.py assigns its topics by hand: they must exist before it starts
-DIRECT_INPUT_TOPICS = ("switchyard.providers", "switchyard.requests", "switchyard.completions",
-                       "switchyard.config", "switchyard.journal")
 GOAL_P50_VS_PIPELINE = 1.5
 GOAL_P50_VS_ECHO = 3.0
 GOAL_P99_MS = 25.0
@@ -638,10 +635,6 @@ def parse_args(argv=None):
     ap.add_argument("--workdir", default="var/bench", help="worker data dirs and logs go under here")
     ap.add_argument("--worker-env", action="append", default=[], metavar="NAME=VALUE",
                     help="extra environment for the worker, e.g. an EIGENINFERENCE_* setting (repeat)")
-    ap.add_argument("--worker", choices=("faust", "direct"), default="faust",
-                    help="the switchyard system: the Faust worker (default), or `direct`, an experiment: "
-                         "the worker's hot path on bare aiokafka without state tables or failover "
-                         "(benchmarks/direct_router.py)")
     ap.add_argument("--py-spy", metavar="DIR", help="profile the worker with py-spy during switchyard phases "
                     "(samples of the thread holding the GIL: where the CPU goes)")
     ap.add_argument("--py-spy-idle", action="store_true", help="with --py-spy: sample every thread, idle "
@@ -709,9 +702,7 @@ def main(argv=None) -> int:
         asyncio.run(ensure_topics(bootstrap, [t for s in systems for t in topics[s]]
                                   + ([pipe_journal] if "pipeline" in systems else [])
                                   + ([pipe1_journal] if "pipeline_shared" in systems else [])
-                                  + ([sy_prefix + t for t in WORKER_OUTPUT_TOPICS] if "switchyard" in systems else [])
-                                  + ([sy_prefix + t for t in DIRECT_INPUT_TOPICS]
-                                     if "switchyard" in systems and args.worker == "direct" else [])))
+                                  + ([sy_prefix + t for t in WORKER_OUTPUT_TOPICS] if "switchyard" in systems else [])))
         if "echo" in systems:
             children["echo"] = Child("benchmarks.echo_baselines", [
                 "echo", "--bootstrap", bootstrap, "--requests", topics["echo"][0],
@@ -728,8 +719,7 @@ def main(argv=None) -> int:
         if "switchyard" in systems:
             print(f"starting a worker (log {rundir / 'worker.log'}) ...", flush=True)
             worker_env = dict(item.partition("=")[::2] for item in args.worker_env)
-            worker = Worker(bootstrap, rundir / "worker", f"switchyard-bench-{tag}", sy_prefix, env=worker_env,
-                            module="benchmarks.direct_router" if args.worker == "direct" else None).start()
+            worker = Worker(bootstrap, rundir / "worker", f"switchyard-bench-{tag}", sy_prefix, env=worker_env).start()
             t0 = time.monotonic()
             asyncio.run(register_fleet(bootstrap, sy_prefix, args.providers, args.models, args.per_box))
             wait_metric(worker, "switchyard_providers_online", args.providers, 180)

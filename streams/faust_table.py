@@ -1,7 +1,7 @@
 """Faust's table and RocksDB store for the core state, writable outside a stream event.
 
 Faust picks the partition of a table write (its changelog message and its RocksDB database) from
-the current stream event. The sequencer (streams/service.py) applies journal entries in its own
+the current stream event. The lease holder (streams/service.py) applies journal entries in its own
 task, when the broker acknowledges them, so there is no event. This app's tables have one
 partition, so every write goes to partition 0. A table with `value_type=bytes` stores and logs
 its values unchanged. The store is registered as the scheme

@@ -1,5 +1,6 @@
-"""The Faust application: topics of the wire contract, ingest agents, the journal, the router agent,
-tables on RocksDB (rocksdict), the dead-letter path and `/metrics`.
+"""The Faust application: topics of the wire contract, the lease, the lease holder's loop (ingest,
+journal, apply, outputs: `Active`), the table on RocksDB (rocksdict), the dead-letter path and
+`/metrics`.
 
 A thin adapter around the pure core (`streams.router`): this module reads the environment, the
 clock and Kafka; the core reads none of them. Start a worker with `faust -A app worker`.
@@ -68,7 +69,7 @@ app = App(
     os.environ.get("SWITCHYARD_APP_ID", "switchyard"),
     broker="kafka://" + os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
     broker_credentials=SECURITY.faust_credentials(),
-    # RocksDB (rocksdict); the table and store are writable from the sequencer's task
+    # RocksDB (rocksdict); the table and store are writable from the lease holder's loop
     store=f"{faust_table.SCHEME}://",
     Table=faust_table.Table,
     datadir=os.environ.get("SWITCHYARD_DATADIR", "var/worker"),

@@ -27,14 +27,10 @@ def free_port() -> int:
 
 class Worker:
     """`Worker(bootstrap, datadir, app_id, prefix, env).start()`; `.metrics()`, `.metric(name)`,
-    `.stop()`. `env` adds to (and overrides) the parent's environment, e.g. EIGENINFERENCE_*.
-    `module` runs another module with the same environment instead of the Faust worker (a benchmark's
-    experiment); it must print "ready" when it serves `/metrics`."""
+    `.stop()`. `env` adds to (and overrides) the parent's environment, e.g. EIGENINFERENCE_*."""
 
-    def __init__(self, bootstrap: str, datadir: Path, app_id: str, prefix: str, env: dict | None = None,
-                 module: str | None = None):
+    def __init__(self, bootstrap: str, datadir: Path, app_id: str, prefix: str, env: dict | None = None):
         self.bootstrap, self.datadir, self.app_id, self.prefix = bootstrap, Path(datadir), app_id, prefix
-        self.module = module
         self.web_port = free_port()
         self.extra_env = env or {}
         self.proc: subprocess.Popen | None = None
@@ -47,8 +43,8 @@ class Worker:
                    SWITCHYARD_APP_ID=self.app_id, SWITCHYARD_TOPIC_PREFIX=self.prefix,
                    SWITCHYARD_WEB_PORT=str(self.web_port), PYTHONPATH=str(ROOT), **self.extra_env)
         with open(self.log, "ab") as log:
-            command = [sys.executable, "-m", self.module] if self.module else \
-                [sys.executable, "-m", "faust", "-A", "app", "worker", "-l", "info", "--web-port", str(self.web_port)]
+            command = [sys.executable, "-m", "faust", "-A", "app", "worker", "-l", "info", "--web-port",
+                       str(self.web_port)]
             self.proc = subprocess.Popen(
                 command,
                 cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -410,7 +410,7 @@ def check_reservations(records: list[dict], decisions: list[dict]) -> dict:
 
 def trace_missing(bootstrap: str, prefix: str, app_id: str, missing: set[Key]) -> str:
     """Where each unanswered request stopped, for the failure message: its offsets in the requests
-    topic and the journal, any decision for it, and the group's committed offsets."""
+    topic and the journal, any decision for it, and the input positions the table holds."""
     ids = {rid for rid, _ in missing}
 
     def offsets(topic: str, name: str) -> dict[str, list[int]]:
@@ -424,19 +424,11 @@ def trace_missing(bootstrap: str, prefix: str, app_id: str, missing: set[Key]) -
                 found.setdefault(rec["request_id"], []).append(r.offset)
         return found
 
-    async def committed() -> dict:
-        consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=app_id, enable_auto_commit=False)
-        await consumer.start()
-        try:
-            tps = [TopicPartition(prefix + "switchyard." + t, 0) for t in ("requests", "journal")]
-            return {tp.topic: await consumer.committed(tp) for tp in tps}
-        finally:
-            await consumer.stop()
-
+    positions = CoreStore(changelog_items(read_topic(bootstrap, f"{app_id}-core-changelog", 60_000))).current().get("inputs")
     return (f"requests topic offsets {offsets('switchyard.requests', 'RouteRequest')}; "
             f"journal offsets {offsets('switchyard.journal', 'RouteRequest')}; "
             f"decisions offsets {offsets('switchyard.decisions', 'RouteDecision')}; "
-            f"committed {asyncio.run(committed())}")
+            f"input positions in the table {positions}")
 
 
 def journal(bootstrap: str, prefix: str) -> list:

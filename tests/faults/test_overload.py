@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(1200)]
 BUDGET_MS = 500
 STEP_S = float(os.environ.get("SWITCHYARD_OVERLOAD_STEP_S", "6"))
 OVERLOAD_S = float(os.environ.get("SWITCHYARD_OVERLOAD_S", "20"))
-RAMP = (20, 40, 80, 120, 160, 200, 240, 300, 360, 420, 500, 600, 700, 800, 1000)
+RAMP = (20, 40, 80, 120, 160, 200, 240, 300, 360, 420, 500, 600, 700, 800, 1000, 1250, 1500, 2000, 2500, 3000, 4000)
 P99_BOUND_S = 5.0       # "a few seconds"; 20 s at twice the capacity without shedding would queue ~10 s
 
 

@@ -679,7 +679,7 @@ def main(argv=None) -> int:
     info = machine_info()
     info.update(run_id=run_id, rundir=str(rundir), settings={
         k: getattr(args, k) for k in ("rates", "seconds", "warmup", "drain", "providers", "models", "per_box",
-                                      "heartbeat_s", "hold_ms", "seed", "worker_env", "worker")},
+                                      "heartbeat_s", "hold_ms", "seed", "worker_env")},
         pipeline_avro="decode on both stages, encode of the reply")
     models = model_names(args.models)
 

@@ -19,8 +19,8 @@ Faust then passes them through to RocksDB and the changelog instead of serialisi
 twice. A plain dict of decoded values (the tests) uses the identity default.
 
 After each batch of entries (the worker applies what the broker acknowledged together): one write,
-its delta. Every FLUSH_EVERY entries: the keys those entries changed (merged, so a key changed many
-times is written once), then `ckpt`.
+its delta. Every FLUSH_EVERY entries a checkpoint starts: the keys those entries changed (merged, so
+a key changed many times is written once), written CHECKPOINT_WRITES per save, then `ckpt`.
 
 Loading takes, for every key, the newest of its checkpointed value and the deltas that changed it
 (a delta is newer when its last offset is above the key's "o"); deltas are full values, so
@@ -50,6 +50,7 @@ from .persistence import SEP, export, restore
 
 KEEP = 20_000        # entries whose deltas are kept after a checkpoint (the stale-write window)
 FLUSH_EVERY = 500    # entries between checkpoints of the keys
+CHECKPOINT_WRITES = 32  # keys of a checkpoint in progress written per save
 DELTA = "d" + SEP
 CHECKPOINT = "ckpt"
 FLUSHED = "flushed"
@@ -86,6 +87,8 @@ class CoreStore:
         self.since_checkpoint = 0           # entries
         self.markers: dict[str, int] = {}   # deleted key -> offset of the checkpoint that marked it
         self.deltas: dict[str, int] = {}    # delta key -> its last offset
+        self.round: list[tuple[str, Any]] = []  # the checkpoint in progress: keys still to write
+        self.round_offset = -1
 
     def _read(self):
         """(every key as of the last delta written, the deltas in offset order, the changes newer
@@ -123,6 +126,7 @@ class CoreStore:
         core's) as {key: value}. The changes newer than the checkpointed keys stay pending for the
         next checkpoint."""
         items, deltas, self.pending, self.since_checkpoint, self.markers, self.deltas, flushed = self._read()
+        self.round = []
         state = [(k, v) for k, v in items.items() if not _adapter_key(k)]
         extra = {k: v for k, v in items.items() if _adapter_key(k)}
         outbox = [(o, _decode(encoded)) for d in deltas for o, encoded in d["outputs"] if encoded and o > flushed]
@@ -146,20 +150,40 @@ class CoreStore:
         self.deltas[key] = last
         self.pending.update(changes)
         self.since_checkpoint += last - first + 1
-        if self.since_checkpoint >= FLUSH_EVERY:
-            self.checkpoint(last)
+        if not self.round and self.since_checkpoint >= FLUSH_EVERY:
+            self._start_checkpoint(last)
+        if self.round:  # a whole checkpoint's worth of entries behind: finish it now
+            self._write_checkpoint(len(self.round) if self.since_checkpoint >= FLUSH_EVERY else CHECKPOINT_WRITES)
 
     def mark_flushed(self, offset: int) -> None:
         """Every output up to `offset` was acknowledged (a worker stopping after its last flush)."""
         self.table[FLUSHED] = self.encode(offset)
 
     def checkpoint(self, offset: int) -> None:
-        for k, v in self.pending.items():
+        """Write every key changed since the last checkpoint, at once."""
+        if self.round:
+            self._write_checkpoint(len(self.round))
+        self._start_checkpoint(offset)
+        self._write_checkpoint(len(self.round))
+
+    def _start_checkpoint(self, offset: int) -> None:
+        self.round, self.round_offset = list(self.pending.items()), offset
+        self.pending, self.since_checkpoint = {}, 0
+
+    def _write_checkpoint(self, n: int) -> None:
+        """Write n more keys of the checkpoint in progress (their values as of its offset: the deltas
+        after it stay until it is complete), and complete it when none is left. Spread over saves,
+        a checkpoint of hundreds of keys does not stall the entries behind it."""
+        offset = self.round_offset
+        for _ in range(min(n, len(self.round))):
+            k, v = self.round.pop()
             self.table[k] = self.encode({"o": offset, "v": v})
             if v is None:
                 self.markers[k] = offset
             else:
                 self.markers.pop(k, None)
+        if self.round:
+            return
         # A marker or a delta older than the window can go: no delta left could resurrect its key.
         for k in [k for k, o in self.markers.items() if o < offset - KEEP]:
             self.table.pop(k, None)
@@ -168,7 +192,6 @@ class CoreStore:
             self.table.pop(k, None)
             del self.deltas[k]
         self.table[CHECKPOINT] = self.encode(offset)
-        self.pending, self.since_checkpoint = {}, 0
 
 
 def _adapter_key(k: str) -> bool:

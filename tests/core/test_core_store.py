@@ -56,6 +56,7 @@ def state(router: Router) -> dict:
 def small_windows(monkeypatch):
     monkeypatch.setattr(core_store, "FLUSH_EVERY", 4)
     monkeypatch.setattr(core_store, "KEEP", 9)
+    monkeypatch.setattr(core_store, "CHECKPOINT_WRITES", 2)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True,
@@ -96,7 +97,7 @@ def test_an_entry_costs_one_write_and_checkpoints_merge_the_keys(small_windows):
         before = len(table.log)
         store.save(router, offset, [])
         writes = len(table.log) - before
-        assert writes == 1 or table.log[-1][0] == "ckpt"
+        assert writes <= 1 + core_store.CHECKPOINT_WRITES or table.log[-1][0] == "ckpt"
     # one write per changed key would be at least that; each delta's deletion, once it is older
     # than KEEP entries, comes on top
     assert len([w for w in table.log if w[1] is not None]) < len(items) + changed
@@ -137,7 +138,7 @@ def test_a_stale_checkpoint_that_lands_late_does_not_win(small_windows, seed, c)
     for offset, kind, record in items[c:c + 4]:
         frozen.apply(offset, None, kind, dict(record))
         frozen_store.save(frozen, offset, [])
-    assert any(k == "ckpt" for k, _ in buffered.log)
+    assert any(isinstance(v, dict) and "v" in v for _, v in buffered.log)  # checkpointed keys among them
     owner_store = CoreStore(table)
     owner, _, _ = owner_store.load()
     assert owner.offset == items[c - 1][0]

@@ -92,6 +92,10 @@ def test_a_worker_restart_mid_stream_loses_and_repeats_nothing(pipeline):
     assert len(ids) == len(set(ids)), "a decision was published twice"
     report = audit(bootstrap, prefix)
     assert report.ok, report.summary()
+    # ingest resumed after the last input the journal holds: nothing ingested twice, nothing skipped
+    ingested = sorted(e.record["request_id"] for e in kafka_journal(bootstrap, prefix + "switchyard.journal")
+                      if e.type == "RouteRequest")
+    assert ingested == sorted([f"a{i}" for i in range(10)] + [f"b{i}" for i in range(10)])
 
 
 def test_a_worker_with_a_fresh_datadir_resumes_from_the_table_changelog(pipeline, tmp_path):

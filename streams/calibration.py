@@ -12,6 +12,7 @@ from collections import OrderedDict
 from .rings import SampleRing
 
 WINDOW = 200
+CHUNK = 25  # samples per stored piece of a window: a completion rewrites one piece, not 200 samples
 WARM_UP = 50
 RATIO_MIN, RATIO_MAX = 0.2, 1.5
 PREDICTION_TTL_MS = 10 * 60 * 1000
@@ -19,18 +20,21 @@ MAX_PREDICTIONS = 8192
 
 
 class TtftCalibrator:
-    __slots__ = ("by_family", "by_model", "predictions", "observations", "seq", "dirty", "versions")
+    __slots__ = ("by_family", "by_model", "recorded", "predictions", "observations", "seq", "dirty", "versions")
 
     def __init__(self):
         self.by_family: dict[tuple[str, str, str], SampleRing] = {}
         self.by_model: dict[tuple[str, str], SampleRing] = {}
+        # ("cw", *key) / ("cm", *key) -> samples ever recorded in that window: sample n is stored in
+        # piece n // CHUNK (streams/persistence.py)
+        self.recorded: dict[tuple, int] = {}
         # (request_id, attempt) -> (model, family, source, raw_ms, at_ms); insertion = time order
         self.predictions: OrderedDict[tuple[str, int], tuple[str, str, str, float, float]] = OrderedDict()
         self.observations = 0
         # insertion order of predictions, for restore: the router's persisted sequence number, so a
         # restored router numbers new predictions exactly as one that never stopped
         self.seq: dict[tuple[str, int], int] = {}
-        self.dirty: set[tuple] = set()  # ("cw", model, family, source) / ("cm", ...) / ("cp", rid, attempt)
+        self.dirty: set[tuple] = set()  # ("cw", model, family, source, piece) / ("cm", ...) / ("cp", rid, attempt)
         # model -> prefill source -> observations since this object was built: a cache key for
         # the fast path's ratio columns (ratio(model, ·, source) reads only the windows of that
         # model and source), not state
@@ -82,8 +86,13 @@ class TtftCalibrator:
             ring = table.get(k)
             if ring is None:
                 ring = table[k] = SampleRing(WINDOW)
-            ring.record(ratio)
-            self.dirty.add((tag, *k))
+            if ring.record(ratio):
+                n = self.recorded.get((tag, *k), 0)
+                self.recorded[(tag, *k)] = n + 1
+                self.dirty.add((tag, *k, n // CHUNK))
+                gone = n - WINDOW  # the sample this one pushed out; its piece is gone when it was the last
+                if gone >= 0 and gone % CHUNK == CHUNK - 1:
+                    self.dirty.add((tag, *k, gone // CHUNK))
         self.observations += 1
         counts = self.versions.setdefault(model, {})
         counts[source] = counts.get(source, 0) + 1

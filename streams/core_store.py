@@ -49,7 +49,7 @@ import orjson
 from .persistence import SEP, export, restore
 
 KEEP = 20_000        # entries whose deltas are kept after a checkpoint (the stale-write window)
-FLUSH_EVERY = 500    # entries between checkpoints of the keys
+FLUSH_EVERY = 5000   # entries between checkpoints of the keys
 CHECKPOINT_WRITES = 32  # keys of a checkpoint in progress written per save
 DELTA = "d" + SEP
 CHECKPOINT = "ckpt"

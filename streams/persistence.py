@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict, deque
 from typing import Any, Iterable
 
-from .calibration import WINDOW
+from .calibration import CHUNK, WINDOW
 from .config import Config
 from .provider import Backend, ModelEntry, Pool, ProviderState, Slot
 from .rings import SampleRing
@@ -51,10 +51,14 @@ def export_key(router, k: str) -> Any:
         family, model, chip = rest
         ring = getattr(router.rings, family).rings.get((model, chip))
         return None if ring is None else ring.samples()
-    if kind in ("cw", "cm"):
-        table = router.calibrator.by_family if kind == "cw" else router.calibrator.by_model
-        ring = table.get(tuple(rest))
-        return None if ring is None else ring.samples()
+    if kind in ("cw", "cm"):  # one piece of a calibrator window: samples n in [piece·CHUNK, +CHUNK)
+        *ring_key, piece = rest
+        ring = (router.calibrator.by_family if kind == "cw" else router.calibrator.by_model).get(tuple(ring_key))
+        if ring is None:
+            return None
+        base = router.calibrator.recorded[(kind, *ring_key)] - len(ring)  # number of the oldest sample
+        lo, hi = max(0, int(piece) * CHUNK - base), (int(piece) + 1) * CHUNK - base
+        return ring.samples()[lo:hi] if hi > lo else None
     if kind == "cp":
         note = router.calibrator.predictions.get((rest[0], int(rest[1])))
         return None if note is None else [*note, router.calibrator.seq.get((rest[0], int(rest[1])), 0)]
@@ -107,8 +111,10 @@ def all_keys(router) -> list[str]:
     keys += [key("p", pid) for pid in router.providers]
     for family in RING_FAMILIES:
         keys += [key("r", family, m, c) for (m, c) in getattr(router.rings, family).rings]
-    keys += [key("cw", *k) for k in router.calibrator.by_family]
-    keys += [key("cm", *k) for k in router.calibrator.by_model]
+    for kind, table in (("cw", router.calibrator.by_family), ("cm", router.calibrator.by_model)):
+        for k, ring in table.items():
+            total = router.calibrator.recorded[(kind, *k)]
+            keys += [key(kind, *k, piece) for piece in range((total - len(ring)) // CHUNK, (total - 1) // CHUNK + 1)]
     keys += [key("cp", *k) for k in router.calibrator.predictions]
     keys += [key("s", pid) for pid in router.serves.entries]
     keys += [key("a", *k) for k in router.affinity]
@@ -130,6 +136,7 @@ def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
     router.now, router.offset, router.seq = meta["now"], meta["offset"], meta["seq"]
     router.counters, router.tripwires = Counter(meta["counters"]), Counter(meta["tripwires"])
     providers, events, requests, affinity, predictions = [], [], [], [], []
+    pieces: dict[tuple, dict[int, list]] = {}
     for k, v in stored.items():
         kind, *rest = k.split(SEP)
         if kind == "p":
@@ -138,8 +145,8 @@ def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
             family, model, chip = rest
             getattr(router.rings, family).restore(model, chip, v)
         elif kind in ("cw", "cm"):
-            table = router.calibrator.by_family if kind == "cw" else router.calibrator.by_model
-            table[tuple(rest)] = SampleRing(WINDOW, samples=v)
+            *ring_key, piece = rest
+            pieces.setdefault((kind, *ring_key), {})[int(piece)] = v
         elif kind == "cp":
             predictions.append((v[-1], (rest[0], int(rest[1])), tuple(v[:-1])))
         elif kind == "s":
@@ -158,6 +165,13 @@ def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
         router.calibrator.predictions[k] = note
         router.calibrator.seq[k] = seq
     router.calibrator.observations = meta["counters"].get("calibrator_observations", 0)
+    for (kind, *ring_key), by_piece in sorted(pieces.items()):
+        # contiguous pieces up to the newest, which is never partly out of the window
+        last = max(by_piece)
+        samples = [x for piece in sorted(by_piece) for x in by_piece[piece]]
+        table = router.calibrator.by_family if kind == "cw" else router.calibrator.by_model
+        table[tuple(ring_key)] = SampleRing(WINDOW, samples=samples[-WINDOW:])
+        router.calibrator.recorded[(kind, *ring_key)] = last * CHUNK + len(by_piece[last])
     for seq, k, hit in sorted(affinity):
         router.affinity[k] = hit
         router.affinity_seq[k] = seq

@@ -67,3 +67,34 @@ def test_an_offline_router_keeps_no_changed_keys_and_decides_the_same():
     assert tracked.take_dirty()
     assert not offline.take_dirty()
     assert snapshot(offline) == snapshot(tracked)
+
+
+def test_calibrator_windows_are_stored_in_pieces_that_restore_the_window():
+    """A completion rewrites one piece of CHUNK samples of each window it feeds, not the whole
+    200-sample window; the pieces a saved table holds restore each window exactly, at any point
+    of its filling and sliding (pieces that left the window are deleted)."""
+    from streams.calibration import CHUNK, WINDOW
+    router, table = Router(), {}
+    router.apply(0, 1000, "Tick", {"at_ms": 1000})  # a state to restore (meta)
+    save(router, table)
+    widths = []
+    for n in range(2 * WINDOW + 3 * CHUNK + 7):
+        key = (f"r{n}", 0)
+        router.calibrator.note_prediction(key, "m", "M4", "static", 1000.0, 0.0, n)
+        assert router.calibrator.observe(key, 500.0 + (n * 37) % 400, 1.0)
+        changes = export(router, router.take_dirty())
+        widths.append(max(len(v or []) for k, v in changes.items() if k.startswith("c")))
+        for k, v in changes.items():
+            if v is None:
+                table.pop(k, None)
+            else:
+                table[k] = json.loads(json.dumps(v))
+        restored = restore(table.items())
+        for kind, ring_key in (("cw", ("m", "M4", "static")), ("cm", ("m", "static"))):
+            table_of = (lambda r: r.calibrator.by_family) if kind == "cw" else (lambda r: r.calibrator.by_model)
+            assert table_of(restored)[ring_key].samples() == table_of(router)[ring_key].samples()
+            assert restored.calibrator.recorded[(kind, *ring_key)] == n + 1
+        assert snapshot(restored) == snapshot(router)
+    assert max(widths) <= CHUNK
+    assert sum(k.startswith("cw") for k in table) == len(range((2 * WINDOW + 3 * CHUNK + 7 - WINDOW) // CHUNK,
+                                                               (2 * WINDOW + 3 * CHUNK + 6) // CHUNK + 1))

@@ -397,9 +397,6 @@ class Active:
         self.unflushed: deque = deque()                     # (last offset, futures) per saved batch
         self.flushed = -1
 
-    def running(self) -> bool:
-        return self.task is not None and not self.task.done()
-
     def start(self) -> None:
         self.task = asyncio.ensure_future(self._run())
 

@@ -41,7 +41,8 @@ class Worker:
         since = self.log.stat().st_size if self.log.exists() else 0  # the log is appended across runs
         env = dict(os.environ, KAFKA_BOOTSTRAP_SERVERS=self.bootstrap, SWITCHYARD_DATADIR=str(self.datadir),
                    SWITCHYARD_APP_ID=self.app_id, SWITCHYARD_TOPIC_PREFIX=self.prefix,
-                   SWITCHYARD_WEB_PORT=str(self.web_port), PYTHONPATH=str(ROOT), **self.extra_env)
+                   SWITCHYARD_WEB_PORT=str(self.web_port), PYTHONPATH=str(ROOT))
+        env.update(self.extra_env)
         with open(self.log, "ab") as log:
             command = [sys.executable, "-m", "faust", "-A", "app", "worker", "-l", "info", "--web-port",
                        str(self.web_port)]

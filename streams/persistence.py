@@ -2,7 +2,8 @@
 
 The router marks the keys an entry changed (`Router.take_dirty`); `export` turns them into JSON-able
 values (None = delete); `restore` rebuilds a Router from every stored pair. One journal entry writes
-a few keys: `meta` (time, offset, config, counters), the providers it touched, the ring windows it
+a few keys: `meta` (time, offset, config, counters), the providers it touched (`p`, the heartbeat's
+view; `pd`, the reservations, which every request and completion changes), the ring windows it
 fed, its dedup id, and — for a decision — the serve counter, calibrator prediction, affinity entry
 and queue of the model. Derived structures (per-model candidate lists, the fast path's columns,
 reservation owners, pools) are rebuilt on restore, not stored.
@@ -47,6 +48,10 @@ def export_key(router, k: str) -> Any:
     if kind == "p":
         p = router.providers.get(rest[0])
         return None if p is None else _provider(p, router.liveness_seq.get(p.provider_id, 0))
+    if kind == "pd":  # a provider's reservations: their own key, as requests and completions change them
+        p = router.providers.get(rest[0])
+        return [[k[0], k[1], v.model, v.tokens, v.reserved_at_ms] for k, v in p.pending.items()] \
+            if p is not None and p.pending else None
     if kind == "r":
         family, model, chip = rest
         ring = getattr(router.rings, family).rings.get((model, chip))
@@ -86,7 +91,6 @@ def _provider(p: ProviderState, seen_seq: int) -> dict:
     out["models"] = {m: [e.size_gb, e.min_ram_gb, e.is_vision] for m, e in p.models.items()}
     out["warm_models"] = list(p.warm_models)
     out["last_prefill"] = dict(p.last_prefill)
-    out["pending"] = [[k[0], k[1], v.model, v.tokens, v.reserved_at_ms] for k, v in p.pending.items()]
     b = p.backend
     out["backend"] = None if b is None else {
         "total_memory_gb": b.total_memory_gb, "gpu_memory_active_gb": b.gpu_memory_active_gb,
@@ -109,6 +113,7 @@ def snapshot(router) -> dict[str, Any]:
 def all_keys(router) -> list[str]:
     keys = ["meta"]
     keys += [key("p", pid) for pid in router.providers]
+    keys += [key("pd", pid) for pid, p in router.providers.items() if p.pending]
     for family in RING_FAMILIES:
         keys += [key("r", family, m, c) for (m, c) in getattr(router.rings, family).rings]
     for kind, table in (("cw", router.calibrator.by_family), ("cm", router.calibrator.by_model)):
@@ -136,11 +141,12 @@ def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
     router.now, router.offset, router.seq = meta["now"], meta["offset"], meta["seq"]
     router.counters, router.tripwires = Counter(meta["counters"]), Counter(meta["tripwires"])
     providers, events, requests, affinity, predictions = [], [], [], [], []
+    reservations = {k.split(SEP)[1]: v for k, v in stored.items() if k.startswith("pd" + SEP)}
     pieces: dict[tuple, dict[int, list]] = {}
     for k, v in stored.items():
         kind, *rest = k.split(SEP)
         if kind == "p":
-            providers.append((v["seen_seq"], _restore_provider(v)))
+            providers.append((v["seen_seq"], _restore_provider(v, reservations.get(rest[0], ()))))
         elif kind == "r":
             family, model, chip = rest
             getattr(router.rings, family).restore(model, chip, v)
@@ -187,7 +193,7 @@ def _request_fields(d: dict) -> dict:
     return d
 
 
-def _restore_provider(v: dict) -> ProviderState:
+def _restore_provider(v: dict, pending) -> ProviderState:
     p = ProviderState.__new__(ProviderState)
     for f in PROVIDER_FIELDS:
         setattr(p, f, v[f])
@@ -195,7 +201,7 @@ def _restore_provider(v: dict) -> ProviderState:
     p.warm_models = tuple(v["warm_models"])
     p.last_prefill = dict(v["last_prefill"])
     p.pending, p.pending_by_model, p.pending_tokens_by_model, p.pending_tokens_all = {}, {}, {}, 0
-    for rid, attempt, model, tokens, at in v["pending"]:
+    for rid, attempt, model, tokens, at in pending:
         p.add_pending((rid, attempt), model, tokens, at)
     b = v["backend"]
     if b is None:

@@ -340,6 +340,7 @@ class Router:
         if p is None:
             return False
         self.dirty.add(("p", pid))
+        self.dirty.add(("pd", pid))
         for model in p.models:
             ids = self.by_model.get(model)
             if ids:
@@ -428,7 +429,7 @@ class Router:
             self.counters["completions_provider_mismatch"] += 1
         p = self.providers.get(pid)
         if p is not None:
-            self.dirty.add(("p", pid))
+            self.dirty.add(("pd", pid))
             gone = p.remove_pending(key)
             if gone is not None and self.fast is not None:
                 self.fast.pending_changed(p, gone.model)
@@ -797,9 +798,11 @@ class Router:
 
     def _reserve(self, req: Request, winner: Candidate) -> None:
         p = winner.p
-        self.dirty.add(("p", p.provider_id))
+        self.dirty.add(("pd", p.provider_id))
         p.add_pending(req.key, req.model, req.tokens, self.now)
-        p.status = "serving" if p.status == "idle" else p.status
+        if p.status == "idle":
+            p.status = "serving"
+            self.dirty.add(("p", p.provider_id))
         if self.fast is not None:
             self.fast.pending_changed(p, req.model)
         self.reservations[req.key] = p.provider_id

@@ -7,7 +7,7 @@ import json
 
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 
-from streams.persistence import export, restore, snapshot
+from streams.persistence import SEP, export, restore, snapshot
 from streams.router import Router
 from tests.core.test_fast_path import journal
 
@@ -57,6 +57,27 @@ def test_an_entry_writes_only_a_few_keys():
         save(router, table)
     assert max(widths) < 40 and sum(widths) / len(widths) < 8
     assert len(table) > 50
+
+
+def test_requests_and_completions_write_reservations_not_the_provider_row():
+    """The provider row (≈ 0.8 KB, the heartbeat's view) is not rewritten for every reservation: a
+    routed request and its completion change only the provider's `pd` key (and the row only when
+    the provider's status goes from idle to serving)."""
+    items = list(entries(journal(7, 40, 300)))
+    router, kinds = Router(), {"RouteRequest": [], "Completion": []}
+    for offset, kind, record in items:
+        before = {pid: p.status for pid, p in router.providers.items()}
+        outputs = router.apply(offset, None, kind, dict(record))
+        written = {k.split(SEP)[0] for k in router.take_dirty()}
+        routed = [r for name, r in outputs if name == "RouteDecision" and r["outcome"] == "routed"]
+        if kind == "Completion" and "pd" in written:
+            kinds[kind].append("p" in written)
+        elif routed and kind == "RouteRequest":
+            pid = routed[0]["provider_id"]
+            assert "pd" in written
+            kinds[kind].append("p" in written and before.get(pid) == router.providers[pid].status)
+    assert len(kinds["RouteRequest"]) > 20 and len(kinds["Completion"]) > 10
+    assert not any(kinds["RouteRequest"]) and not any(kinds["Completion"])
 
 
 def test_an_offline_router_keeps_no_changed_keys_and_decides_the_same():

@@ -20,7 +20,7 @@ twice. A plain dict of decoded values (the tests) uses the identity default.
 
 After each batch of entries (the worker applies what the broker acknowledged together): one write,
 its delta. Every FLUSH_EVERY entries a checkpoint starts: the keys those entries changed (merged, so
-a key changed many times is written once), written CHECKPOINT_WRITES per save, then `ckpt`.
+a key changed many times is written once), written a few per save (`checkpoint_writes`), then `ckpt`.
 
 Loading takes, for every key, the newest of its checkpointed value and the deltas that changed it
 (a delta is newer when its last offset is above the key's "o"); deltas are full values, so
@@ -50,7 +50,8 @@ from .persistence import SEP, export, restore
 
 KEEP = 20_000        # entries whose deltas are kept after a checkpoint (the stale-write window)
 FLUSH_EVERY = 5000   # entries between checkpoints of the keys
-CHECKPOINT_WRITES = 32  # keys of a checkpoint in progress written per save
+CHECKPOINT_WRITES = 32  # keys of a checkpoint in progress written per save, at least ...
+CHECKPOINT_SPAN = FLUSH_EVERY // 2  # ... and enough to finish it within this many entries
 DELTA = "d" + SEP
 CHECKPOINT = "ckpt"
 FLUSHED = "flushed"
@@ -74,21 +75,29 @@ def json_bytes(value: Any) -> bytes:
         return json.dumps(value, separators=(",", ":")).encode()
 
 
+def json_fragment(value: Any) -> Any:
+    """A changed value encoded once, then embedded as is in the delta and, later, in its checkpoint
+    write: not serialised twice, and not kept until the checkpoint as containers the garbage
+    collector walks (they made its full collections take ~100 ms)."""
+    return None if value is None else orjson.Fragment(json_bytes(value))
+
+
 def _same(value: Any) -> Any:
     return value
 
 
 class CoreStore:
     def __init__(self, table: MutableMapping[str, Any], encode: Callable[[Any], Any] = _same,
-                 decode: Callable[[Any], Any] = _same):
+                 decode: Callable[[Any], Any] = _same, fragment: Callable[[Any], Any] = _same):
         self.table = table
-        self.encode, self.decode = encode, decode
+        self.encode, self.decode, self.fragment = encode, decode, fragment
         self.pending: dict[str, Any] = {}   # changes since the last checkpoint
         self.since_checkpoint = 0           # entries
         self.markers: dict[str, int] = {}   # deleted key -> offset of the checkpoint that marked it
         self.deltas: dict[str, int] = {}    # delta key -> its last offset
         self.round: list[tuple[str, Any]] = []  # the checkpoint in progress: keys still to write
         self.round_offset = -1
+        self.round_size = 0
 
     def _read(self):
         """(every key as of the last delta written, the deltas in offset order, the changes newer
@@ -115,6 +124,11 @@ class CoreStore:
         current = {k: v for k, v in values.items() if v is not None}
         since = sum(d["o"] - max(d.get("f", d["o"]), checkpoint + 1) + 1 for d in deltas if d["o"] > checkpoint)
         return current, deltas, pending, since, markers, {k: d["o"] for k, d in all_deltas.items()}, flushed
+
+    @classmethod
+    def of_json(cls, table: MutableMapping[str, Any]) -> "CoreStore":
+        """A store whose table holds JSON bytes (the worker's raw-valued Faust table)."""
+        return cls(table, encode=json_bytes, decode=json.loads, fragment=json_fragment)
 
     def current(self) -> dict[str, Any]:
         """Every key as of the last delta written (the checkpointed keys, newer deltas re-applied)."""
@@ -144,6 +158,7 @@ class CoreStore:
         changes = export(router, router.take_dirty())
         if extra_changes:
             changes.update(extra_changes)
+        changes = {k: self.fragment(v) for k, v in changes.items()}
         key = f"{DELTA}{first}-{last}"
         self.table[key] = self.encode({"o": last, "f": first, "changes": changes, "flushed": flushed,
                                        "outputs": [(o, _encode(m)) for o, m in outputs if m]})
@@ -153,7 +168,14 @@ class CoreStore:
         if not self.round and self.since_checkpoint >= FLUSH_EVERY:
             self._start_checkpoint(last)
         if self.round:  # a whole checkpoint's worth of entries behind: finish it now
-            self._write_checkpoint(len(self.round) if self.since_checkpoint >= FLUSH_EVERY else CHECKPOINT_WRITES)
+            self._write_checkpoint(len(self.round) if self.since_checkpoint >= FLUSH_EVERY
+                                   else self.checkpoint_writes(last - first + 1))
+
+    def checkpoint_writes(self, entries: int) -> int:
+        """Keys of the checkpoint in progress to write after a batch of `entries`: paced by entries,
+        not saves, so that it ends within CHECKPOINT_SPAN entries however the entries are batched
+        (a round left unfinished when the next is due is written at once: a stall of ~100 ms)."""
+        return max(CHECKPOINT_WRITES, -(-self.round_size * entries // CHECKPOINT_SPAN))
 
     def mark_flushed(self, offset: int) -> None:
         """Every output up to `offset` was acknowledged (a worker stopping after its last flush)."""
@@ -168,6 +190,7 @@ class CoreStore:
 
     def _start_checkpoint(self, offset: int) -> None:
         self.round, self.round_offset = list(self.pending.items()), offset
+        self.round_size = len(self.round)
         self.pending, self.since_checkpoint = {}, 0
 
     def _write_checkpoint(self, n: int) -> None:

@@ -19,7 +19,6 @@ Environment (adapter settings, not routing settings):
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 from collections import OrderedDict, deque
@@ -35,7 +34,7 @@ from prometheus_client.core import GaugeMetricFamily
 from . import codec, faust_consumer, faust_table
 from .config import Config
 from .kafka_security import KafkaSecurity
-from .core_store import INPUTS as INPUTS_KEY, CoreStore, json_bytes
+from .core_store import INPUTS as INPUTS_KEY, CoreStore
 from .persistence import SEP
 from .persistence import key as pkey
 from .router import Router
@@ -346,7 +345,7 @@ def reply_changes() -> dict:
     return changes
 
 
-store = CoreStore(core_table, encode=json_bytes, decode=json.loads)
+store = CoreStore.of_json(core_table)
 
 
 # --- the lease holder's loop ----------------------------------------------------------------------
@@ -359,6 +358,9 @@ def source_of(headers) -> tuple[str, int, int] | None:
             topic, partition, offset = value.decode().split(SEP)
             return topic, int(partition), int(offset)
     return None
+
+
+APPLY_SLICE_S = 0.002  # the apply loop yields after this much work
 
 
 @dataclass
@@ -534,7 +536,13 @@ class Active:
             while not self.acks.empty():
                 items.append(self.acks.get_nowait())
             batch = Batch()
+            slice_start = time.perf_counter()
             for ack, time_ms, name, record, raw, source in items:
+                if time.perf_counter() - slice_start > APPLY_SLICE_S:
+                    # Let ingest and the producer's sender run: an entry's outputs are sent, and the
+                    # next requests appended, while the rest of the batch is applied.
+                    await asyncio.sleep(0)
+                    slice_start = time.perf_counter()
                 offset = (await ack).offset  # not acknowledged: the loop restarts from the table
                 if offset <= router.offset:
                     continue

@@ -209,12 +209,19 @@ class CoreStore:
             return
         # A marker or a delta older than the window can go: no delta left could resurrect its key.
         for k in [k for k, o in self.markers.items() if o < offset - KEEP]:
-            self.table.pop(k, None)
+            self._remove(k)
             del self.markers[k]
         for k in [k for k, o in self.deltas.items() if o < offset - KEEP]:
-            self.table.pop(k, None)
+            self._remove(k)
             del self.deltas[k]
         self.table[CHECKPOINT] = self.encode(offset)
+
+    def _remove(self, k: str) -> None:
+        # Not `pop`: a mapping's pop reads the value first (a RocksDB read of a whole delta).
+        try:
+            del self.table[k]
+        except KeyError:
+            pass
 
 
 def _adapter_key(k: str) -> bool:

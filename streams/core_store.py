@@ -20,7 +20,9 @@ twice. A plain dict of decoded values (the tests) uses the identity default.
 
 After each batch of entries (the worker applies what the broker acknowledged together): one write,
 its delta. Every FLUSH_EVERY entries a checkpoint starts: the keys those entries changed (merged, so
-a key changed many times is written once), written a few per save (`checkpoint_writes`), then `ckpt`.
+a key changed many times is written once), written a few per save (`checkpoint_writes`), then the
+deltas and markers it makes obsolete are deleted, a few per save too, then `ckpt`. The worker does
+a save's share in slices between which its loop runs (`save_batch(defer=True)`, `write_owed`).
 
 Loading takes, for every key, the newest of its checkpointed value and the deltas that changed it
 (a delta is newer when its last offset is above the key's "o"); deltas are full values, so
@@ -55,6 +57,7 @@ CHECKPOINT_SPAN = FLUSH_EVERY // 2  # ... and enough to finish it within this ma
 DELTA = "d" + SEP
 CHECKPOINT = "ckpt"
 FLUSHED = "flushed"
+ALL = 2**62          # "every write left"
 
 
 def _encode(messages) -> list:
@@ -98,6 +101,9 @@ class CoreStore:
         self.round: list[tuple[str, Any]] = []  # the checkpoint in progress: keys still to write
         self.round_offset = -1
         self.round_size = 0
+        self.round_open = False
+        self.removals: list[str] | None = None  # what it makes obsolete, once its keys are written
+        self.owed = 0                        # checkpoint writes the saves so far asked for
 
     def _read(self):
         """(every key as of the last delta written, the deltas in offset order, the changes newer
@@ -151,10 +157,11 @@ class CoreStore:
         self.save_batch(router, offset, offset, [(offset, messages)], extra_changes)
 
     def save_batch(self, router, first: int, last: int, outputs, extra_changes: dict[str, Any] | None = None,
-                   flushed: int = -1) -> None:
+                   flushed: int = -1, defer: bool = False) -> None:
         """Record the entries first..last, applied since the last save: the keys the router marked
         dirty, `extra_changes` (the adapter's keys), the entries' output messages as [(offset,
-        [(topic, key, value)])], and the offset up to which earlier outputs were acknowledged."""
+        [(topic, key, value)])], and the offset up to which earlier outputs were acknowledged.
+        With `defer`, the checkpoint writes this save owes are left to `write_owed`."""
         changes = export(router, router.take_dirty())
         if extra_changes:
             changes.update(extra_changes)
@@ -165,11 +172,23 @@ class CoreStore:
         self.deltas[key] = last
         self.pending.update(changes)
         self.since_checkpoint += last - first + 1
-        if not self.round and self.since_checkpoint >= FLUSH_EVERY:
+        if not self.round_open and self.since_checkpoint >= FLUSH_EVERY:
             self._start_checkpoint(last)
-        if self.round:  # a whole checkpoint's worth of entries behind: finish it now
-            self._write_checkpoint(len(self.round) if self.since_checkpoint >= FLUSH_EVERY
-                                   else self.checkpoint_writes(last - first + 1))
+        if self.round_open:  # a whole checkpoint's worth of entries behind: finish it now
+            self.owed = ALL if self.since_checkpoint >= FLUSH_EVERY else \
+                self.owed + self.checkpoint_writes(last - first + 1)
+        if not defer:
+            self.write_owed()
+
+    def write_owed(self, limit: int | None = None) -> int:
+        """Do up to `limit` (default: all) of the checkpoint writes the saves asked for; returns how
+        many are still owed."""
+        n = self.owed if limit is None else min(limit, self.owed)
+        self.owed -= n
+        self._write_checkpoint(n)
+        if not self.round_open:
+            self.owed = 0
+        return self.owed
 
     def checkpoint_writes(self, entries: int) -> int:
         """Keys of the checkpoint in progress to write after a batch of `entries`: paced by entries,
@@ -183,37 +202,47 @@ class CoreStore:
 
     def checkpoint(self, offset: int) -> None:
         """Write every key changed since the last checkpoint, at once."""
-        if self.round:
-            self._write_checkpoint(len(self.round))
+        self._write_checkpoint(ALL)
         self._start_checkpoint(offset)
-        self._write_checkpoint(len(self.round))
+        self._write_checkpoint(ALL)
+        self.owed = 0
 
     def _start_checkpoint(self, offset: int) -> None:
         self.round, self.round_offset = list(self.pending.items()), offset
-        self.round_size = len(self.round)
+        self.round_size, self.round_open = len(self.round), True
         self.pending, self.since_checkpoint = {}, 0
 
     def _write_checkpoint(self, n: int) -> None:
-        """Write n more keys of the checkpoint in progress (their values as of its offset: the deltas
-        after it stay until it is complete), and complete it when none is left. Spread over saves,
-        a checkpoint of hundreds of keys does not stall the entries behind it."""
+        """Do n more writes of the checkpoint in progress: its keys (their values as of its offset:
+        the deltas after it stay until it is complete), then the removal of the deltas and markers
+        it makes obsolete, then `ckpt`. Spread over saves, a checkpoint of thousands of keys does
+        not stall the entries behind it."""
         offset = self.round_offset
-        for _ in range(min(n, len(self.round))):
+        while n > 0 and self.round:
             k, v = self.round.pop()
             self.table[k] = self.encode({"o": offset, "v": v})
             if v is None:
                 self.markers[k] = offset
             else:
                 self.markers.pop(k, None)
-        if self.round:
+            n -= 1
+        if self.round or not self.round_open:
             return
-        # A marker or a delta older than the window can go: no delta left could resurrect its key.
-        for k in [k for k, o in self.markers.items() if o < offset - KEEP]:
-            self._remove(k)
-            del self.markers[k]
-        for k in [k for k, o in self.deltas.items() if o < offset - KEEP]:
-            self._remove(k)
-            del self.deltas[k]
+        if self.removals is None:
+            # A marker or a delta older than the window can go: no delta left could resurrect its key.
+            self.removals = [k for k, o in self.markers.items() if o < offset - KEEP]
+            for k in self.removals:
+                del self.markers[k]
+            old = [k for k, o in self.deltas.items() if o < offset - KEEP]
+            for k in old:
+                del self.deltas[k]
+            self.removals += old
+        while n > 0 and self.removals:
+            self._remove(self.removals.pop())
+            n -= 1
+        if self.removals:
+            return
+        self.removals, self.round_open = None, False
         self.table[CHECKPOINT] = self.encode(offset)
 
     def _remove(self, k: str) -> None:

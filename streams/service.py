@@ -362,6 +362,7 @@ def source_of(headers) -> tuple[str, int, int] | None:
 
 
 APPLY_SLICE_S = 0.002  # the apply loop yields after this much work
+CHECKPOINT_SLICE = 64  # ... and between this many checkpoint writes (~1-2 ms)
 
 
 @dataclass
@@ -529,8 +530,10 @@ class Active:
         if self.inputs_changed:
             extra[INPUTS_KEY] = dict(self.inputs)
             self.inputs_changed = False
-        store.save_batch(router, batch.first, router.offset, batch.outputs, extra, self.flushed)
+        store.save_batch(router, batch.first, router.offset, batch.outputs, extra, self.flushed, defer=True)
         self.unflushed.append((router.offset, batch.futures))
+        while store.write_owed(CHECKPOINT_SLICE):  # a big batch owes hundreds of checkpoint writes
+            await asyncio.sleep(0)
         await core_table.send_changes()
 
     async def _apply(self) -> None:

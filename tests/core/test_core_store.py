@@ -195,7 +195,7 @@ def test_a_checkpoint_ends_before_the_next_is_due_however_entries_are_batched(mo
         batch = items[i:i + sizes[i % 3]]
         for offset, kind, record in batch:
             router.apply(offset, None, kind, dict(record))
-        assert not (store.round and store.since_checkpoint + len(batch) >= core_store.FLUSH_EVERY)
+        assert not (store.round_open and store.since_checkpoint + len(batch) >= core_store.FLUSH_EVERY)
         before = len(table.log)
         store.save_batch(router, batch[0][0], batch[-1][0], [])
         written = [k for k, _ in table.log[before:]]
@@ -260,3 +260,24 @@ def test_the_outbox_holds_the_outputs_after_the_flushed_offset():
     assert outbox[0][1] == [("decisions", b"k%d" % items[4][0], b"v%d" % items[4][0])]
     store.mark_flushed(router.offset)                                   # a graceful stop
     assert CoreStore(dict(table)).load()[1] == []
+
+
+def test_a_deferred_save_written_in_slices_writes_what_a_save_writes(small_windows):
+    """The worker saves with `defer=True` and does the checkpoint's share in slices, letting its
+    loop run between them: the table must receive the same writes, in the same order."""
+    items = list(entries(journal(5, 6, 120)))
+    at_once, sliced = RecordingTable(), RecordingTable()
+    routers, stores = (Router(), Router()), (CoreStore(at_once), CoreStore(sliced))
+    for i in range(0, len(items), 3):
+        batch = items[i:i + 3]
+        for router in routers:
+            for offset, kind, record in batch:
+                router.apply(offset, None, kind, dict(record))
+        first, last = batch[0][0], batch[-1][0]
+        stores[0].save_batch(routers[0], first, last, [])
+        stores[1].save_batch(routers[1], first, last, [], defer=True)
+        assert sliced.log[-1][0].startswith("d\x1f")  # only the delta, so far
+        while stores[1].write_owed(1):
+            pass
+        assert sliced.log == at_once.log
+    assert any(k == "ckpt" for k, _ in at_once.log) and any(v is None for _, v in at_once.log)

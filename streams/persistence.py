@@ -146,7 +146,9 @@ def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
     for k, v in stored.items():
         kind, *rest = k.split(SEP)
         if kind == "p":
-            providers.append((v["seen_seq"], _restore_provider(v, reservations.get(rest[0], ()))))
+            # a row saved before reservations had their own key carries them as "pending"
+            pending = reservations.get(rest[0], v.get("pending", ()))
+            providers.append((v["seen_seq"], _restore_provider(v, pending)))
         elif kind == "r":
             family, model, chip = rest
             getattr(router.rings, family).restore(model, chip, v)

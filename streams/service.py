@@ -605,6 +605,7 @@ class Active:
         inputs = AIOKafkaConsumer(fetch_max_wait_ms=faust_consumer.FETCH_MAX_WAIT_MS, **kafka)
         try:
             await topics_declared.wait()
+            gc.unfreeze()  # a previous run's state (frozen below) can be collected once replaced
             await self._load()
             await self.journal.start()
             self.journal.assign([JOURNAL])

@@ -119,3 +119,18 @@ def test_calibrator_windows_are_stored_in_pieces_that_restore_the_window():
     assert max(widths) <= CHUNK
     assert sum(k.startswith("cw") for k in table) == len(range((2 * WINDOW + 3 * CHUNK + 7 - WINDOW) // CHUNK,
                                                                (2 * WINDOW + 3 * CHUNK + 6) // CHUNK + 1))
+
+
+def test_a_provider_row_saved_with_its_reservations_inside_still_restores_them():
+    """State saved before reservations had their own `pd` key (a worker upgraded in place) keeps
+    its reservations: the row's old "pending" field is read when there is no `pd` key."""
+    items = list(entries(journal(7, 40, 300)))
+    router = Router()
+    for offset, kind, record in items:
+        router.apply(offset, None, kind, dict(record))
+    old = snapshot(router)
+    held = [k for k in old if k.startswith("pd" + SEP)]
+    assert held
+    for k in held:
+        old[k.replace("pd", "p", 1)]["pending"] = old.pop(k)
+    assert snapshot(restore(old.items())) == snapshot(router)

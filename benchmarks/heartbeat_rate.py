@@ -38,7 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.fleet import fleet_events, heartbeat, model_names  # noqa: E402
-from benchmarks.pipeline_latency import DIRECT_INPUT_TOPICS, WORKER_OUTPUT_TOPICS, machine_cpu, machine_info, proc_cpu_split, profile_summary  # noqa: E402
+from benchmarks.pipeline_latency import WORKER_OUTPUT_TOPICS, machine_cpu, machine_info, proc_cpu_split, profile_summary  # noqa: E402
 from streams import codec  # noqa: E402
 
 GOAL_RATIO = 0.5
@@ -50,13 +50,17 @@ def wall_ms() -> int:
     return int(time.time() * 1000)
 
 
+# The worker's other inputs, created before it starts so it does not wait for their auto-creation.
+OTHER_INPUT_TOPICS = ("switchyard.requests", "switchyard.completions", "switchyard.config", "switchyard.journal")
+
+
 async def produce(bootstrap: str, topic: str, providers: int, models: int, per_box: int, heartbeats: int) -> dict:
     from aiokafka import AIOKafkaProducer
 
     from streams.client import ensure_topics
 
     await ensure_topics(bootstrap, [topic] + [topic.rpartition("switchyard.")[0] + t
-                                              for t in WORKER_OUTPUT_TOPICS + DIRECT_INPUT_TOPICS])
+                                              for t in WORKER_OUTPUT_TOPICS + OTHER_INPUT_TOPICS])
     names = model_names(models)
     now = wall_ms()
     regs = [(rec["provider_id"], codec.encode(name, rec))

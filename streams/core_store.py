@@ -174,7 +174,7 @@ class CoreStore:
         self.since_checkpoint += last - first + 1
         if not self.round_open and self.since_checkpoint >= FLUSH_EVERY:
             self._start_checkpoint(last)
-        if self.round_open:  # a whole checkpoint's worth of entries behind: finish it now
+        if self.round_open:  # paced by entries; a whole checkpoint's worth behind: finish it now
             self.owed = ALL if self.since_checkpoint >= FLUSH_EVERY else \
                 self.owed + self.checkpoint_writes(last - first + 1)
         if not defer:

@@ -65,8 +65,9 @@ class Table(faust.Table):
     def _on_batch_sent(self, last: int, sent) -> None:
         # As Faust's own changelog callback: the store records the changelog offset it holds, so a
         # restart reads the changelog from there.
-        if sent.cancelled() or sent.exception() is not None:
-            log.error("changelog batch of %s not sent: %r", self.name, sent.exception() if not sent.cancelled() else "cancelled")
+        error = "cancelled" if sent.cancelled() else sent.exception()
+        if error is not None:
+            log.error("changelog batch of %s not sent: %r", self.name, error)
             return
         meta = sent.result()
         self.data.set_persisted_offset(meta.topic_partition, meta.offset + last)

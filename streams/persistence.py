@@ -4,9 +4,14 @@ The router marks the keys an entry changed (`Router.take_dirty`); `export` turns
 values (None = delete); `restore` rebuilds a Router from every stored pair. One journal entry writes
 a few keys: `meta` (time, offset, config, counters), the providers it touched (`p`, the heartbeat's
 view; `pd`, the reservations, which every request and completion changes), the ring windows it
-fed, its dedup id, and — for a decision — the serve counter, calibrator prediction, affinity entry
-and queue of the model. Derived structures (per-model candidate lists, the fast path's columns,
-reservation owners, pools) are rebuilt on restore, not stored.
+fed, the newest piece of a dedup window, and — for a decision — the serve counter, calibrator
+prediction, affinity entry and queue of the model. Derived structures (per-model candidate lists,
+the fast path's columns, reservation owners, pools) are rebuilt on restore, not stored.
+
+The dedup windows (event ids, request ids) are stored in pieces by insertion sequence number
+(`eb`, `rqb`: the ids numbered in [n·DEDUP_BUCKET, (n+1)·DEDUP_BUCKET)): an id in its own key was
+written once in a delta, once in a checkpoint, once as a deletion marker when the window dropped
+it, and removed — four table writes per request and per completion, for keys read only on restore.
 
 Order-sensitive maps (liveness, dedup windows, affinity, calibrator predictions) store the sequence
 number of their last insertion, so a restored router evicts and expires in exactly the same order.
@@ -14,6 +19,7 @@ number of their last insertion, so a restored router evicts and expires in exact
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
+from operator import attrgetter
 from typing import Any, Iterable
 
 from .calibration import CHUNK, WINDOW
@@ -28,6 +34,10 @@ PROVIDER_FIELDS = ("provider_id", "session", "registered_at_ms", "version", "acc
                    "decode_tps", "prefill_tps", "last_seen", "last_seq", "status", "memory_pressure",
                    "cpu_usage", "thermal")
 RING_FAMILIES = ("decode", "solo", "prefill")
+# A heartbeat rewrites its provider's row: its fields are read in C, not one getattr at a time.
+_provider_values, _slot_values = attrgetter(*PROVIDER_FIELDS), attrgetter(*SLOT_FIELDS)
+DEDUP_BUCKET = 64  # sequence numbers per stored piece of a dedup window (~20 ids at 1000 requests/s)
+WINDOWS = {"eb": "seen_events", "rqb": "seen_requests"}  # piece kind -> the router's window
 
 
 def key(*parts) -> str:
@@ -36,7 +46,50 @@ def key(*parts) -> str:
 
 # --- export ---------------------------------------------------------------------------------------
 def export(router, keys: Iterable[str]) -> dict[str, Any]:
-    return {k: export_key(router, k) for k in keys}
+    out, pieces = {}, {}
+    for k in keys:
+        kind, _, rest = k.partition(SEP)
+        if kind in WINDOWS:
+            pieces.setdefault(kind, {})[int(rest)] = k
+        else:
+            out[k] = export_key(router, k)
+    for kind, wanted in pieces.items():
+        window = getattr(router, WINDOWS[kind])
+        for n, entries in _window_pieces(window, wanted).items():
+            out[wanted[n]] = [[*k, seq] if isinstance(k, tuple) else [k, seq] for k, seq in entries] or None
+    return out
+
+
+def _window_pieces(window: OrderedDict, wanted) -> dict[int, list]:
+    """The entries (id, seq) of the pieces `wanted` of a dedup window. Its order is insertion order,
+    so its sequence numbers ascend, and each piece is read from the nearer end of the window: a
+    save asks for the newest pieces (and the oldest, when the window is full), so it reads about
+    as many entries as those pieces hold, not the window (100,000 ids)."""
+    out = {n: [] for n in wanted}
+    if not window:
+        return out
+    oldest, newest = next(iter(window.values())), next(reversed(window.values()))
+    newer = [n for n in wanted if newest - n * DEDUP_BUCKET <= (n + 1) * DEDUP_BUCKET - oldest]
+    older = [n for n in wanted if newest - n * DEDUP_BUCKET > (n + 1) * DEDUP_BUCKET - oldest]
+    if newer:
+        stop = min(newer) * DEDUP_BUCKET
+        for k, seq in reversed(window.items()):
+            if seq < stop:
+                break
+            found = out.get(seq // DEDUP_BUCKET)
+            if found is not None:
+                found.append((k, seq))
+        for n in newer:
+            out[n].reverse()
+    if older:
+        stop = (max(older) + 1) * DEDUP_BUCKET
+        for k, seq in window.items():
+            if seq >= stop:
+                break
+            found = out.get(seq // DEDUP_BUCKET)
+            if found is not None:
+                found.append((k, seq))
+    return out
 
 
 def export_key(router, k: str) -> Any:
@@ -76,17 +129,15 @@ def export_key(router, k: str) -> Any:
     if kind == "q":
         q = router.queues.get(rest[0])
         return [[_request(item.request), item.enqueued_at_ms] for item in q] if q else None
-    if kind == "e":
-        seq = router.seen_events.get(rest[0])
-        return None if seq is None else seq
-    if kind == "rq":
-        seq = router.seen_requests.get((rest[0], int(rest[1])))
-        return None if seq is None else seq
+    if kind in WINDOWS:
+        return export(router, [k])[k]
+    if kind in ("e", "rq"):  # an id in its own key (before the pieces): moved into its piece on load
+        return None
     raise KeyError(k)
 
 
 def _provider(p: ProviderState, seen_seq: int) -> dict:
-    out = {f: getattr(p, f) for f in PROVIDER_FIELDS}
+    out = dict(zip(PROVIDER_FIELDS, _provider_values(p)))
     out["seen_seq"] = seen_seq
     out["models"] = {m: [e.size_gb, e.min_ram_gb, e.is_vision] for m, e in p.models.items()}
     out["warm_models"] = list(p.warm_models)
@@ -95,7 +146,7 @@ def _provider(p: ProviderState, seen_seq: int) -> dict:
     out["backend"] = None if b is None else {
         "total_memory_gb": b.total_memory_gb, "gpu_memory_active_gb": b.gpu_memory_active_gb,
         "free_for_load_gb": b.free_for_load_gb,
-        "slots": [[getattr(s, f) for f in SLOT_FIELDS] for s in b.slots]}
+        "slots": [list(_slot_values(s)) for s in b.slots]}
     return out
 
 
@@ -124,8 +175,8 @@ def all_keys(router) -> list[str]:
     keys += [key("s", pid) for pid in router.serves.entries]
     keys += [key("a", *k) for k in router.affinity]
     keys += [key("q", m) for m, q in router.queues.items() if q]
-    keys += [key("e", e) for e in router.seen_events]
-    keys += [key("rq", *k) for k in router.seen_requests]
+    for kind, name in WINDOWS.items():
+        keys += [key(kind, n) for n in sorted({seq // DEDUP_BUCKET for seq in getattr(router, name).values()})]
     return keys
 
 
@@ -140,7 +191,7 @@ def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
         return router
     router.now, router.offset, router.seq = meta["now"], meta["offset"], meta["seq"]
     router.counters, router.tripwires = Counter(meta["counters"]), Counter(meta["tripwires"])
-    providers, events, requests, affinity, predictions = [], [], [], [], []
+    providers, events, requests, affinity, predictions, legacy = [], [], [], [], [], []
     reservations = {k.split(SEP)[1]: v for k, v in stored.items() if k.startswith("pd" + SEP)}
     pieces: dict[tuple, dict[int, list]] = {}
     for k, v in stored.items():
@@ -163,10 +214,16 @@ def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
             affinity.append((v[2], tuple(rest), (v[0], v[1])))
         elif kind == "q":
             router.queues[rest[0]] = deque(Queued(Request(**_request_fields(r)), t) for r, t in v)
-        elif kind == "e":
+        elif kind == "eb":
+            events += [(seq, e) for e, seq in v]
+        elif kind == "rqb":
+            requests += [(seq, (rid, attempt)) for rid, attempt, seq in v]
+        elif kind == "e":  # saved before the windows were stored in pieces
             events.append((v, rest[0]))
+            legacy.append(("e", rest[0]))
         elif kind == "rq":
             requests.append((v, (rest[0], int(rest[1]))))
+            legacy.append(("rq", rest[0], rest[1]))
     for seq, p in sorted(providers, key=lambda sp: sp[0]):
         router.add_restored_provider(p, seq)
     for seq, k, note in sorted(predictions):
@@ -186,6 +243,10 @@ def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
     router.seen_events = OrderedDict((e, seq) for seq, e in sorted(events))
     router.seen_requests = OrderedDict((k, seq) for seq, k in sorted(requests))
     router.dirty.clear()
+    if legacy:  # ids saved in their own keys move into their pieces at the next save
+        router.dirty.update(legacy)
+        router.dirty.update(("eb", seq // DEDUP_BUCKET) for seq, _ in events)
+        router.dirty.update(("rqb", seq // DEDUP_BUCKET) for seq, _ in requests)
     return router
 
 

@@ -25,7 +25,7 @@ from .config import DEFAULT, Config, ConfigError
 from .provider import TRUST_RANK, ProviderEventError, ProviderState, Slot
 from .rings import TpsRegistry
 from .serve_counter import ServeCounter
-from .persistence import key as pkey
+from .persistence import DEDUP_BUCKET, key as pkey
 from .versions import compare_versions
 
 DEFAULT_MAX_TOKENS = 256
@@ -270,10 +270,10 @@ class Router:
         if event_id in self.seen_events:
             self.counters["duplicate_events"] += 1
             return True
-        self.seen_events[event_id] = self._next_seq()
-        self.dirty.add(("e", event_id))
+        seq = self.seen_events[event_id] = self._next_seq()
+        self.dirty.add(("eb", seq // DEDUP_BUCKET))
         if len(self.seen_events) > EVENT_DEDUP_WINDOW:
-            self.dirty.add(("e", self.seen_events.popitem(last=False)[0]))
+            self.dirty.add(("eb", self.seen_events.popitem(last=False)[1] // DEDUP_BUCKET))
         return False
 
     # --- persistence support ------------------------------------------------------------------------
@@ -471,10 +471,10 @@ class Router:
         if key in self.seen_requests:
             self.counters["duplicate_requests"] += 1
             return
-        self.seen_requests[key] = self._next_seq()
-        self.dirty.add(("rq", *key))
+        seq = self.seen_requests[key] = self._next_seq()
+        self.dirty.add(("rqb", seq // DEDUP_BUCKET))
         if len(self.seen_requests) > REQUEST_DEDUP_WINDOW:
-            self.dirty.add(("rq", *self.seen_requests.popitem(last=False)[0]))
+            self.dirty.add(("rqb", self.seen_requests.popitem(last=False)[1] // DEDUP_BUCKET))
         req, why = self._stamp(event)
         if req is None:
             self.counters["invalid_requests"] += 1

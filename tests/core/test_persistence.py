@@ -134,3 +134,69 @@ def test_a_provider_row_saved_with_its_reservations_inside_still_restores_them()
     for k in held:
         old[k.replace("pd", "p", 1)]["pending"] = old.pop(k)
     assert snapshot(restore(old.items())) == snapshot(router)
+
+
+def test_dedup_windows_are_stored_in_pieces_that_restore_them_while_they_slide(monkeypatch):
+    """Event and request ids are stored in pieces of DEDUP_BUCKET sequence numbers (`eb`, `rqb`),
+    not one key per id. With windows small enough to slide (ids dropped at the old end while new
+    ones arrive at the other), a table saved after every entry restores both windows exactly, a
+    router restored from it continues exactly like the original, and the table holds a few
+    pieces."""
+    from streams import router as router_module
+    monkeypatch.setattr(router_module, "EVENT_DEDUP_WINDOW", 9)
+    monkeypatch.setattr(router_module, "REQUEST_DEDUP_WINDOW", 5)
+    items = list(entries(journal(5, 6, 400)))
+    cut = 2 * len(items) // 3
+    router, table = Router(), {}
+    for i, (offset, kind, record) in enumerate(items[:cut]):
+        router.apply(offset, None, kind, dict(record))
+        save(router, table)
+        if i % 20 == 0 or i == cut - 1:
+            restored = restore(table.items())
+            assert list(restored.seen_events.items()) == list(router.seen_events.items())
+            assert list(restored.seen_requests.items()) == list(router.seen_requests.items())
+    assert len(router.seen_events) == 9 and len(router.seen_requests) == 5  # both slid
+    kinds = [k.split(SEP)[0] for k in table]
+    assert "e" not in kinds and "rq" not in kinds
+    assert 2 <= kinds.count("eb") + kinds.count("rqb") <= 6
+    for offset, kind, record in items[cut:]:
+        assert restored.apply(offset, None, kind, dict(record)) == router.apply(offset, None, kind, dict(record))
+    assert snapshot(restored) == snapshot(router)
+
+
+def test_ids_saved_in_their_own_keys_still_restore_and_move_into_pieces():
+    """State saved before the dedup windows were stored in pieces (a key per id: `e<SEP>id`,
+    `rq<SEP>id<SEP>attempt`) restores the same windows, and the next save moves the ids into
+    their pieces and deletes their old keys."""
+    items = list(entries(journal(7, 10, 200)))
+    router = Router()
+    for offset, kind, record in items:
+        router.apply(offset, None, kind, dict(record))
+    router.take_dirty()
+    table = json.loads(json.dumps(snapshot(router)))
+    for k in [k for k in table if k.split(SEP)[0] in ("eb", "rqb")]:
+        for *ident, seq in table.pop(k):
+            table[SEP.join(["e" if k.startswith("eb") else "rq", *map(str, ident)])] = seq
+    assert sum(k.startswith("rq" + SEP) for k in table) > 20
+    restored = restore(table.items())
+    assert snapshot(restored) == snapshot(router)
+    save(restored, table)
+    assert not [k for k in table if k.split(SEP)[0] in ("e", "rq")]
+    assert snapshot(restore(table.items())) == snapshot(router)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(gaps=st.lists(st.integers(1, 12), min_size=0, max_size=300), start=st.integers(0, 200),
+       wanted=st.sets(st.integers(0, 60), max_size=12))
+def test_a_window_piece_holds_exactly_its_ids_in_order_from_either_end(gaps, start, wanted):
+    """`_window_pieces` reads each piece from the nearer end of the window; whatever the pieces
+    asked for, each holds exactly the ids numbered in its range, oldest first."""
+    from collections import OrderedDict
+
+    from streams.persistence import DEDUP_BUCKET, _window_pieces
+    window, seq = OrderedDict(), start
+    for i, gap in enumerate(gaps):
+        seq += gap
+        window[f"id{i}"] = seq
+    got = _window_pieces(window, wanted)
+    assert got == {n: [(k, s) for k, s in window.items() if s // DEDUP_BUCKET == n] for n in wanted}

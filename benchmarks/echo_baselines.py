@@ -2,6 +2,7 @@
 
     python -m benchmarks.echo_baselines echo     --bootstrap B --requests T --replies R
     python -m benchmarks.echo_baselines pipeline --bootstrap B --requests T --journal J --replies R [--no-avro]
+    python -m benchmarks.echo_baselines echo_librdkafka --bootstrap B --requests T --replies R
 
 * ``echo`` — one hop: consume the request topic, produce each value unchanged to the reply topic
   with the same key. No decoding: the cheapest request/reply a Kafka service can give.
@@ -11,6 +12,9 @@
   do what the worker's adapter does with Avro and nothing more: stage 1 decodes the request
   (validation) and appends the original bytes, stage 2 decodes the journal entry and encodes the
   reply (the request record re-encoded, to the reply topic). ``--no-avro`` copies bytes only.
+* ``echo_librdkafka`` — ``echo`` on confluent-kafka (librdkafka, the protocol in C) instead of
+  aiokafka (the protocol in Python): what the Kafka client alone costs a hop (optional; needs
+  ``pip install confluent-kafka``).
 
 Both run in one process on one asyncio loop with one shared producer, as a Faust worker does,
 but with one consumer per stage (each long-polls only its own partition; ``--shared-consumer``:
@@ -151,9 +155,36 @@ async def serve(args) -> None:
         print(json.dumps(stats), flush=True)
 
 
+def serve_librdkafka(args) -> None:
+    """The echo on librdkafka, with the aiokafka echo's settings (acks=all, linger 0, no group)."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+
+    # Nagle off, as aiokafka has it: with it on, small messages on loopback wait ~40 ms for an ACK.
+    producer = Producer({"bootstrap.servers": args.bootstrap, "client.id": "bench-baseline", "acks": "all",
+                         "linger.ms": 0, "socket.nagle.disable": True})
+    consumer = Consumer({"bootstrap.servers": args.bootstrap, "group.id": "unused", "enable.auto.commit": False,
+                         "fetch.wait.max.ms": CONSUMER_SETTINGS["fetch_max_wait_ms"],
+                         "socket.nagle.disable": True})
+    consumer.assign([TopicPartition(args.requests, 0, OFFSET_BEGINNING)])
+    stop, stats = [], {"mode": args.mode, "stage1": 0}
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1))
+    print("READY", flush=True)
+    while not stop:
+        # consume(n, timeout) waits until it has n messages: take what is there, else wait for one
+        for message in consumer.consume(1000, 0) or consumer.consume(1, 0.1):
+            if message.error() is None:
+                producer.produce(args.replies, message.value(), message.key())
+                stats["stage1"] += 1
+        producer.poll(0)  # delivery reports
+    producer.flush(5)
+    consumer.close()
+    print(json.dumps(stats), flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.echo_baselines", description=__doc__.split("\n")[0])
-    ap.add_argument("mode", choices=("echo", "pipeline"))
+    ap.add_argument("mode", choices=("echo", "pipeline", "echo_librdkafka"))
     ap.add_argument("--bootstrap", required=True)
     ap.add_argument("--requests", required=True, help="request topic (consumed)")
     ap.add_argument("--replies", required=True, help="reply topic (produced)")
@@ -164,7 +195,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.mode == "pipeline" and not args.journal:
         ap.error("pipeline needs --journal")
-    asyncio.run(serve(args))
+    if args.mode == "echo_librdkafka":
+        serve_librdkafka(args)
+    else:
+        asyncio.run(serve(args))
     return 0
 
 

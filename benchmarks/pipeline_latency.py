@@ -16,6 +16,10 @@ Three systems, one open-loop load driver (this process, asyncio + aiokafka):
   for 1,260 providers every 5 s; the same child sends a Completion ``--hold-ms`` after each routed
   decision, so capacity is released as a real gateway would.
 
+Optional (``--systems``): ``pipeline_shared`` (the pipeline with one consumer for both stages) and
+``echo_librdkafka`` (the echo on confluent-kafka: what a Kafka client in C costs a hop, next to
+aiokafka's; `pip install -e '.[bench]'`).
+
 For each rate, the systems run one after the other (echo, pipeline, switchyard; the fleet child
 heartbeats only during the switchyard phase): ``--warmup`` seconds of load that are not counted,
 then ``--seconds`` measured. Each request is a RouteRequest (streams.codec, a random model of the
@@ -57,7 +61,7 @@ from benchmarks.echo_baselines import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Chil
 from benchmarks.fleet import fleet_events, heartbeat, model_names, request  # noqa: E402
 from streams import codec  # noqa: E402
 
-SYSTEMS = ("echo", "pipeline", "pipeline_shared", "switchyard")  # pipeline_shared: optional
+SYSTEMS = ("echo", "echo_librdkafka", "pipeline", "pipeline_shared", "switchyard")  # 2 and 4: optional
 DEFAULT_SYSTEMS = ("echo", "pipeline", "switchyard")
 WORKER_OUTPUT_TOPICS = ("switchyard.decisions", "switchyard.reservations", "switchyard.capacity",
                         "switchyard.deadletter")
@@ -669,6 +673,7 @@ def main(argv=None) -> int:
     base = f"bench{tag}."
     topics = {
         "echo": (base + "echo.requests", base + "echo.replies"),
+        "echo_librdkafka": (base + "echork.requests", base + "echork.replies"),
         "pipeline": (base + "pipe.requests", base + "pipe.replies"),
         "pipeline_shared": (base + "pipe1.requests", base + "pipe1.replies"),
         "switchyard": (base + "sy.switchyard.requests", base + "sy.bench.replies"),
@@ -707,6 +712,10 @@ def main(argv=None) -> int:
             children["echo"] = Child("benchmarks.echo_baselines", [
                 "echo", "--bootstrap", bootstrap, "--requests", topics["echo"][0],
                 "--replies", topics["echo"][1]], rundir / "echo.log").start()
+        if "echo_librdkafka" in systems:
+            children["echo_librdkafka"] = Child("benchmarks.echo_baselines", [
+                "echo_librdkafka", "--bootstrap", bootstrap, "--requests", topics["echo_librdkafka"][0],
+                "--replies", topics["echo_librdkafka"][1]], rundir / "echo_librdkafka.log").start()
         if "pipeline" in systems:
             children["pipeline"] = Child("benchmarks.echo_baselines", [
                 "pipeline", "--bootstrap", bootstrap, "--requests", topics["pipeline"][0],

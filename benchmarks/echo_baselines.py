@@ -16,10 +16,10 @@
   aiokafka (the protocol in Python): what the Kafka client alone costs a hop (optional; needs
   ``pip install confluent-kafka``).
 
-Both run in one process on one asyncio loop with one shared producer, as a Faust worker does,
-but with one consumer per stage (each long-polls only its own partition; ``--shared-consumer``:
-one consumer assigned both partitions, as a Faust worker has), no consumer group, no offset
-commits, acks=all and linger 0 (the worker's producer settings). Each consumer starts at
+``echo`` and ``pipeline`` run in one process on one asyncio loop with one shared producer, as a
+Faust worker does, but with one consumer per stage (each long-polls only its own partition;
+``--shared-consumer``: one consumer assigned both partitions, as a Faust worker has), no consumer
+group, no offset commits, acks=all and linger 0 (the worker's producer settings). Each consumer starts at
 the beginning of its (fresh, single-partition) topic. The child prints ``READY`` once its
 consumers are positioned, and a JSON line of counters when it gets SIGTERM.
 

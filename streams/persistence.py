@@ -69,8 +69,9 @@ def _window_pieces(window: OrderedDict, wanted) -> dict[int, list]:
     if not window:
         return out
     oldest, newest = next(iter(window.values())), next(reversed(window.values()))
-    newer = [n for n in wanted if newest - n * DEDUP_BUCKET <= (n + 1) * DEDUP_BUCKET - oldest]
-    older = [n for n in wanted if newest - n * DEDUP_BUCKET > (n + 1) * DEDUP_BUCKET - oldest]
+    newer, older = [], []
+    for n in wanted:
+        (newer if newest - n * DEDUP_BUCKET <= (n + 1) * DEDUP_BUCKET - oldest else older).append(n)
     if newer:
         stop = min(newer) * DEDUP_BUCKET
         for k, seq in reversed(window.items()):

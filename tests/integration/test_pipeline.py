@@ -34,6 +34,15 @@ def fleet(n: int) -> list:
     return events
 
 
+def register_fleet(bootstrap, prefix, n: int) -> None:
+    """n providers registered and heartbeating, in the journal before any request is produced:
+    Kafka orders nothing across topics, so a request produced right after them could be ingested
+    first (and rejected with no_provider)."""
+    produce_events(bootstrap, prefix + "switchyard.providers", fleet(n))
+    wait_for(lambda: sum(e.type == "Heartbeat" for e in kafka_journal(bootstrap, prefix + "switchyard.journal")) >= n,
+             what=f"{n} providers in the journal")
+
+
 def decisions_of(bootstrap, prefix) -> list[dict]:
     return kafka_decisions(bootstrap, prefix + "switchyard.decisions")
 
@@ -55,7 +64,7 @@ def audit(bootstrap, prefix):
 
 def test_live_decisions_equal_a_replay_of_the_journal(pipeline):
     bootstrap, prefix, worker = pipeline
-    produce_events(bootstrap, prefix + "switchyard.providers", fleet(3))
+    register_fleet(bootstrap, prefix, 3)
     reqs = [(f"r{i}", "RouteRequest", request(f"r{i}", prompt=200 + 300 * i)) for i in range(24)]
     produce_events(bootstrap, prefix + "switchyard.requests", reqs + [reqs[0], reqs[5]])  # two duplicates
     got = wait_for(lambda: (d := decisions_of(bootstrap, prefix)) and len(d) >= 24 and d, what="24 decisions")
@@ -77,7 +86,7 @@ def test_live_decisions_equal_a_replay_of_the_journal(pipeline):
 
 def test_a_worker_restart_mid_stream_loses_and_repeats_nothing(pipeline):
     bootstrap, prefix, worker = pipeline
-    produce_events(bootstrap, prefix + "switchyard.providers", fleet(3))
+    register_fleet(bootstrap, prefix, 3)
     produce_events(bootstrap, prefix + "switchyard.requests",
                    [(f"a{i}", "RouteRequest", request(f"a{i}")) for i in range(10)])
     wait_for(lambda: len(decisions_of(bootstrap, prefix)) >= 10, what="first 10 decisions")
@@ -101,7 +110,7 @@ def test_a_worker_restart_mid_stream_loses_and_repeats_nothing(pipeline):
 def test_a_worker_with_a_fresh_datadir_resumes_from_the_table_changelog(pipeline, tmp_path):
     """No journal replay from offset 0: the core state comes back from the tables' changelog."""
     bootstrap, prefix, worker = pipeline
-    produce_events(bootstrap, prefix + "switchyard.providers", fleet(3))
+    register_fleet(bootstrap, prefix, 3)
     produce_events(bootstrap, prefix + "switchyard.requests",
                    [(f"a{i}", "RouteRequest", request(f"a{i}")) for i in range(8)])
     wait_for(lambda: len(decisions_of(bootstrap, prefix)) >= 8, what="first 8 decisions")
@@ -125,7 +134,7 @@ def test_a_standby_worker_takes_over_when_the_active_one_dies(pipeline, tmp_path
     standby = Worker(bootstrap, tmp_path / "standby", worker.app_id, prefix)
     standby.start()
     try:
-        produce_events(bootstrap, prefix + "switchyard.providers", fleet(3))
+        register_fleet(bootstrap, prefix, 3)
         produce_events(bootstrap, prefix + "switchyard.requests",
                        [(f"a{i}", "RouteRequest", request(f"a{i}")) for i in range(8)])
         wait_for(lambda: len(decisions_of(bootstrap, prefix)) >= 8, what="first 8 decisions")
@@ -152,7 +161,7 @@ def test_a_standby_worker_takes_over_when_the_active_one_dies(pipeline, tmp_path
 
 def test_the_capacity_feed_is_published_per_model_when_it_changes(pipeline):
     bootstrap, prefix, worker = pipeline
-    produce_events(bootstrap, prefix + "switchyard.providers", fleet(3))
+    register_fleet(bootstrap, prefix, 3)
     latest = wait_for(lambda: (f := [codec.decode(r.value)[1] for r in
                                      read_topic(bootstrap, prefix + "switchyard.capacity")])
                       and f[-1]["routable_providers"] == 3 and f, what="3 routable providers")[-1]
@@ -172,7 +181,7 @@ def test_an_exported_journal_audits_clean_from_the_file(pipeline, tmp_path):
     import subprocess
     import sys
     bootstrap, prefix, worker = pipeline
-    produce_events(bootstrap, prefix + "switchyard.providers", fleet(3))
+    register_fleet(bootstrap, prefix, 3)
     produce_events(bootstrap, prefix + "switchyard.requests",
                    [(f"e{i}", "RouteRequest", request(f"e{i}", prompt=100 + 500 * i)) for i in range(12)])
     wait_for(lambda: len(decisions_of(bootstrap, prefix)) >= 12, what="12 decisions")

@@ -382,6 +382,13 @@ def source_of(headers) -> tuple[str, int, int] | None:
 
 APPLY_SLICE_S = 0.002  # the apply loop yields after this much work
 CHECKPOINT_SLICE = 64  # ... and between this many checkpoint writes (~1-2 ms)
+# Entries applied within SAVE_EVERY_S of a batch's first share one delta (at most SAVE_MAX_ENTRIES):
+# a key changed many times in that window (meta, a model's serve counter and queue, a provider's
+# reservations) is exported and written once. The journal holds every entry meanwhile: after a
+# crash the entries after the last delta are applied again from it and their outputs re-sent.
+SAVE_EVERY_S = 0.025
+SAVE_MAX_ENTRIES = 2000
+SAVE_DUE = None  # the apply queue's item that says the open batch's time is up
 
 
 @dataclass
@@ -405,7 +412,7 @@ class Active:
     committed offset, says what was ingested). Live: an input is appended to the journal and applied
     when the broker acknowledges its offset (the sequencer: architecture, "Latency"); an entry that
     is not the next one means someone else appended (a zombie), and the entries between are read
-    from the journal and applied first. The entries acknowledged together are saved in one delta.
+    from the journal and applied first. The entries applied within SAVE_EVERY_S are saved in one delta.
     Stop (the lease revoked, the worker stopping): stop ingesting, apply what was appended, flush.
     An error restarts the loop from the table (the supervisor)."""
 
@@ -414,7 +421,9 @@ class Active:
         self.acks: asyncio.Queue | None = None
         self.applying = False
         self.ingesting: list[asyncio.Task] = []
-        self.busy = False                                   # the apply loop holds a batch
+        self.busy = False                                   # the apply loop is applying entries
+        self.batch = Batch()                                # applied, not saved yet
+        self.save_due: asyncio.TimerHandle | None = None
         self.inputs: dict[str, int] = {}                    # "topic<SEP>partition" -> last appended
         self.inputs_changed = False
         self.unflushed: deque = deque()                     # (last offset, futures) per saved batch
@@ -440,6 +449,8 @@ class Active:
             pass
         self.applying = False
         try:
+            if not self.busy and self.batch.first is not None:  # stopped between batches: save it
+                await self._save(self.batch)
             await core_table.send_changes()
             await app.producer.flush()   # outputs, then the deltas that record them
             self._advance_flushed()
@@ -541,6 +552,11 @@ class Active:
             self.flushed = last
 
     async def _save(self, batch: Batch) -> None:
+        if batch is self.batch:
+            self.batch = Batch()
+            if self.save_due is not None:
+                self.save_due.cancel()
+                self.save_due = None
         if batch.first is None:
             return
         self._advance_flushed()
@@ -555,14 +571,20 @@ class Active:
         await core_table.send_changes()
 
     async def _apply(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             items = [await self.acks.get()]
             self.busy = True
             while not self.acks.empty():
                 items.append(self.acks.get_nowait())
-            batch = Batch()
+            batch = self.batch
+            if batch.first is None and self.save_due is None:
+                self.save_due = loop.call_later(SAVE_EVERY_S, self.acks.put_nowait, SAVE_DUE)
             slice_start = time.perf_counter()
-            for ack, time_ms, name, record, raw, source in items:
+            for item in items:
+                if item is SAVE_DUE:
+                    continue
+                ack, time_ms, name, record, raw, source = item
                 if time.perf_counter() - slice_start > APPLY_SLICE_S:
                     # Let ingest and the producer's sender run: an entry's outputs are sent, and the
                     # next requests appended, while the rest of the batch is applied.
@@ -578,7 +600,8 @@ class Active:
                 self._note_input(source)
                 await self._apply_one(offset, time_ms, name, record, DOMAIN_KEY, raw, batch)
                 APPLIED_ON_ACK.inc()
-            await self._save(batch)
+            if SAVE_DUE in items or (batch.first is not None and router.offset - batch.first >= SAVE_MAX_ENTRIES):
+                await self._save(batch)
             self.busy = False
 
     # -- the whole loop --------------------------------------------------------------------------
@@ -618,6 +641,9 @@ class Active:
 
     async def _run(self) -> None:
         self.acks, self.append_lock, self.busy = asyncio.Queue(), asyncio.Lock(), False
+        if self.save_due is not None:  # a restart: what the last run applied and did not save is
+            self.save_due.cancel()     # applied again from the journal, after the saved state
+        self.batch, self.save_due = Batch(), None
         kafka = dict(bootstrap_servers=BOOTSTRAP, enable_auto_commit=False, **SECURITY.aiokafka_kwargs())
         self.journal = AIOKafkaConsumer(**kafka)
         inputs = AIOKafkaConsumer(fetch_max_wait_ms=faust_consumer.FETCH_MAX_WAIT_MS, **kafka)

@@ -33,6 +33,28 @@ log = logging.getLogger(__name__)
 class Table(faust.Table):
     _changes: list[tuple[bytes, Optional[bytes]]] | None = None  # changelog messages not yet sent
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        # The core table's writes (a str key, encoded bytes): straight to RocksDB and the changelog
+        # queue, the key encoded once — what Faust's path does (`on_key_set`, then the store's
+        # `__setitem__`) after two serializer lookups that pass the value through unchanged.
+        if type(key) is str and type(value) is bytes and self._raw_values():
+            key_bytes = orjson.dumps(key)
+            self.data._set(key_bytes, value)
+            self._queue_raw(key_bytes, value)
+        else:
+            super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        if type(key) is str and self._raw_values():
+            key_bytes = orjson.dumps(key)
+            self.data._del(key_bytes)
+            self._queue_raw(key_bytes, None)
+        else:
+            super().__delitem__(key)
+
+    def _raw_values(self) -> bool:
+        return self.key_serializer == "json" and self.value_serializer == "raw"
+
     def on_key_set(self, key: Any, value: Any) -> None:
         self._queue_change(key, self.changelog_topic.prepare_value(value, self.value_serializer)[0])
 
@@ -40,13 +62,16 @@ class Table(faust.Table):
         self._queue_change(key, None)
 
     def _queue_change(self, key: Any, value: Optional[bytes]) -> None:
-        if self._changes is None:
-            self._changes = []
         if type(key) is str and self.key_serializer == "json":
             key_bytes = orjson.dumps(key)  # what Faust's json codec writes, without its dispatch
         else:
             key_bytes = self.changelog_topic.prepare_key(key, self.key_serializer)[0]
-        self._changes.append((key_bytes, value))
+        self._queue_raw(key_bytes, value)
+
+    def _queue_raw(self, key: bytes, value: Optional[bytes]) -> None:
+        if self._changes is None:
+            self._changes = []
+        self._changes.append((key, value))
 
     async def send_changes(self) -> None:
         """Produce the changelog messages of the writes so far, in order (partition 0). A message
@@ -86,6 +111,9 @@ class Table(faust.Table):
 
 
 class Store(RocksDBStore):
+    def _del(self, key: bytes) -> None:
+        self._db_for_partition(0).delete(key)  # one partition (see `_set`)
+
     def _encode_key(self, key: Any) -> bytes:
         # Faust's json codec is orjson behind a registry lookup and a codec chain (~1.3 µs a key);
         # for a str key the bytes are the same.

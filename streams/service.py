@@ -260,10 +260,10 @@ async def send_raw(topic: str, key: bytes, value: bytes, partition: int | None =
     topic whose metadata the producer has, and whose partition is given or the only one (the
     journal, the one-partition outputs), goes straight to the producer's accumulator: what
     `send` does before that (metadata wait, serializers, partitioner) is about a third of its cost
-    and does nothing here."""
+    and does nothing here (nor does its transaction check: this producer is not transactional)."""
     producer = app.producer._producer
     known = producer.client.cluster.partitions_for_topic(topic)
-    if known is None or (partition is None and len(known) != 1):
+    if known is None or (partition is None and len(known) != 1) or producer._txn_manager is not None:
         return await producer.send(topic, value, key=key, partition=partition, timestamp_ms=timestamp_ms,
                                    headers=headers)
     if partition is None:

@@ -250,9 +250,6 @@ class QueueDepth:
 registry.register(QueueDepth())
 
 
-_partitions: dict[tuple[str, int], TopicPartition] = {}
-
-
 async def send_raw(topic: str, key: bytes, value: bytes, partition: int | None = None,
                    timestamp_ms: int | None = None, headers: list | None = None) -> asyncio.Future:
     """Send (buffered by the producer); the future resolves when the broker acknowledges. On
@@ -270,11 +267,8 @@ async def send_raw(topic: str, key: bytes, value: bytes, partition: int | None =
         (partition,) = known
     elif partition not in known:
         raise ValueError(f"{topic} has no partition {partition}")
-    tp = _partitions.get((topic, partition))
-    if tp is None:
-        tp = _partitions[(topic, partition)] = TopicPartition(topic, partition)
     return await producer._message_accumulator.add_message(
-        tp, key, value, producer._request_timeout_ms / 1000, timestamp_ms=timestamp_ms, headers=headers or [])
+        TopicPartition(topic, partition), key, value, producer._request_timeout_ms / 1000, timestamp_ms=timestamp_ms, headers=headers or [])
 
 
 class ReplyTopics:

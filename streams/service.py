@@ -402,6 +402,11 @@ CHECKPOINT_SLICE = 64  # ... and between this many checkpoint writes (~1-2 ms)
 SAVE_EVERY_S = 0.025
 SAVE_MAX_ENTRIES = 2000
 SAVE_DUE = None  # the apply queue's item that says the open batch's time is up
+# Ingest stays at most this many entries ahead of the apply loop. Past it, inputs wait in their
+# topics, so a request's journal time is close to when the router reaches it and an overloaded
+# router answers `expired` (now − sent_at_ms > the wait budget) instead of queueing without bound
+# between journal and apply, where no recorded time shows the wait (~80 ms of work at full speed).
+APPEND_AHEAD_MAX = 256
 
 
 @dataclass
@@ -435,6 +440,8 @@ class Active:
         self.applying = False
         self.ingesting: list[asyncio.Task] = []
         self.busy = False                                   # the apply loop is applying entries
+        self.ahead = 0                                      # entries appended, not applied yet
+        self.room: asyncio.Event | None = None              # set when ingest may append again
         self.batch = Batch()                                # applied, not saved yet
         self.save_due: asyncio.TimerHandle | None = None
         self.inputs: dict[str, int] = {}                    # "topic<SEP>partition" -> last appended
@@ -483,12 +490,16 @@ class Active:
         async with self.append_lock:
             ack = await send_raw(JOURNAL.topic, DOMAIN_KEY, raw, 0, time_ms, headers)
             self.acks.put_nowait((ack, time_ms, name, record, raw, source))
+            self.ahead += 1
 
     async def _ingest(self, consumer: AIOKafkaConsumer) -> None:
         while True:
             batches = await consumer.getmany(timeout_ms=100, max_records=1000)
             for tp, records in batches.items():
                 for r in records:
+                    while self.ahead >= APPEND_AHEAD_MAX:  # backpressure: see APPEND_AHEAD_MAX
+                        self.room.clear()
+                        await self.room.wait()
                     name, record = checked(tp.topic, r.key, r.value)
                     if name is None:
                         await dead_letter(r, *record)
@@ -598,6 +609,9 @@ class Active:
                 if item is SAVE_DUE:
                     continue
                 ack, time_ms, name, record, raw, source = item
+                self.ahead -= 1
+                if self.ahead < APPEND_AHEAD_MAX // 2:
+                    self.room.set()
                 if time.perf_counter() - slice_start > APPLY_SLICE_S:
                     # Let ingest and the producer's sender run: an entry's outputs are sent, and the
                     # next requests appended, while the rest of the batch is applied.
@@ -654,6 +668,7 @@ class Active:
 
     async def _run(self) -> None:
         self.acks, self.append_lock, self.busy = asyncio.Queue(), asyncio.Lock(), False
+        self.ahead, self.room = 0, asyncio.Event()
         if self.save_due is not None:  # a restart: what the last run applied and did not save is
             self.save_due.cancel()     # applied again from the journal, after the saved state
         self.batch, self.save_due = Batch(), None

@@ -6,6 +6,8 @@ loop, worker helpers, and the checks every fault test ends with.
   until the broker acknowledges it, as a gateway would), a reader of the decisions topic that
   records every decision with its Kafka timestamp, and Completions for routed requests after a
   random service time (releasing the reservation). Plain aiokafka, Avro framed by `streams.codec`.
+* `cpu_share` — a worker held to a share of one core (SIGSTOP/SIGCONT on a fixed period, as a CFS
+  quota would), so a driver on the same two cores can offer it more than it decides.
 * `check_decisions` — exactly one distinct decision per (request_id, attempt), plus the queue
   follow-up of a queued one; identical re-sent copies counted, not failures.
 * `check_reservations` — distinct reservations by identity equal the routed decisions.
@@ -16,9 +18,12 @@ loop, worker helpers, and the checks every fault test ends with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import os
 import random
+import signal
 import threading
 import time
 from collections import Counter
@@ -158,6 +163,13 @@ class Load:
         """Identities with a final decision (routed or rejected)."""
         return {(d["request_id"], d["attempt"]) for _, _, d in list(self.decisions) if d["outcome"] != "queued"}
 
+    def explain_missing(self, missing: set[Key]) -> str:
+        """Why these requests have no decision: never acknowledged by the broker (the driver or the
+        broker could not carry them) or acknowledged and not decided (lost by the router)."""
+        acked = sum(k in self.accepted for k in missing)
+        return (f"{len(missing)} unanswered: {len(missing) - acked} never acknowledged by the broker, "
+                f"{acked} acknowledged; send errors {dict(self.send_errors)}; e.g. {sorted(missing)[:3]}")
+
     def wait_answered(self, timeout: float = 120.0) -> set[Key]:
         """Wait until every request sent so far was accepted and has its final decision."""
         deadline = time.monotonic() + timeout
@@ -292,6 +304,37 @@ class Load:
 
 
 # === workers ======================================================================================
+@contextlib.contextmanager
+def cpu_share(worker: Worker, share: float, period_s: float = 0.1):
+    """Hold the worker to `share` of every `period_s`: its process group runs `share × period_s`,
+    then is stopped (SIGSTOP) for the rest of the period — at most that share of one core, as a CFS
+    quota (a container's `cpus: 0.25`) gives it. The router's code and timing are untouched; it
+    simply decides fewer requests per second, so a driver on the same two cores can offer it twice
+    its rate. Always resumed (SIGCONT) on exit."""
+    done = threading.Event()
+
+    def run() -> None:
+        start = time.monotonic()
+        k = 0
+        with contextlib.suppress(ProcessLookupError):  # the worker ended: nothing left to hold
+            while not done.is_set():
+                os.killpg(worker.proc.pid, signal.SIGCONT)
+                done.wait(max(0.0, start + (k + share) * period_s - time.monotonic()))
+                os.killpg(worker.proc.pid, signal.SIGSTOP)
+                k += 1
+                done.wait(max(0.0, start + k * period_s - time.monotonic()))
+
+    thread = threading.Thread(target=run, name="cpu-share", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(worker.proc.pid, signal.SIGCONT)
+
+
 def restart(worker: Worker, timeout: float = 90.0) -> None:
     """Start a stopped worker again and wait for ITS "ready" (the log is appended across runs, so
     `Worker.start` alone can see the previous run's line)."""

@@ -1,11 +1,16 @@
 """Overload: one worker with a route-wait budget (EIGENINFERENCE_ROUTE_WAIT_BUDGET_MS=500, recorded
 in the journal by the worker at start) and a fleet with room to spare.
 
+The worker runs at a quarter of one core (`cpu_share`: SIGSTOP/SIGCONT on a 100 ms period, what a
+container limit of `cpus: 0.25` does), so twice its rate stays within what the load driver and the
+broker carry on the same two cores: at full speed it decides ~3,000/s, and at 4,000–5,000/s the
+driver itself fell behind (client acks p99 3–55 s), so the "shedding" measured was the driver's.
+
 1. Ramp: steps of rising request rate, each drained before the next, until a step sheds (answers
    `expired` to more than 1 % of its requests) or cannot keep up. The highest clean step's decision
    rate is the rate one router decides; the first shedding step is where shedding starts.
-2. Overload: twice that rate (at most the first shedding step's) for OVERLOAD_S seconds (shorter
-   when that would be more than OVERLOAD_REQUESTS requests). Requests
+2. Overload: twice that rate for OVERLOAD_S seconds (shorter when that would be more than
+   OVERLOAD_REQUESTS requests). Requests
    that waited past their budget must be answered `expired` (503, Retry-After), and the latency of
    the others must stay bounded — p99 under a few seconds and not growing with the length of the
    overload — instead of growing without bound.
@@ -24,8 +29,8 @@ from collections import Counter
 import pytest
 
 from streams.worker_process import Worker
-from tests.faults.support import (Load, agent_crashes, audit, check_decisions, percentile, wall_ms,
-                                  write_report)
+from tests.faults.support import (Load, agent_crashes, audit, check_decisions, cpu_share, percentile,
+                                  wall_ms, write_report)
 from tests.integration.kafka_io import wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -33,13 +38,16 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow, pytest.mark.timeout(1200)]
 BUDGET_MS = 500
 STEP_S = float(os.environ.get("SWITCHYARD_OVERLOAD_STEP_S", "6"))
 OVERLOAD_S = float(os.environ.get("SWITCHYARD_OVERLOAD_S", "20"))
-# ... or shorter: the load driver, the broker and the worker share two cores, and from ~6,000/s on
-# they carry a 6 s step's worth of requests, not 20 s of them (at 6,000/s for 20 s the broker timed
-# out fetches and 91,000 requests were unanswered after 5 minutes).
+CPU_SHARE = float(os.environ.get("SWITCHYARD_OVERLOAD_CPU_SHARE", "0.25"))
+# ... or shorter: the load driver, the broker and the worker share two cores (before the worker was
+# held to a quarter core, at 6,000/s for 20 s the broker timed out fetches and 91,000 requests were
+# unanswered after 5 minutes).
 OVERLOAD_REQUESTS = 36_000
 RAMP = (20, 40, 80, 120, 160, 200, 240, 300, 360, 420, 500, 600, 700, 800, 1000, 1250, 1500, 2000, 2500, 3000, 4000,
         5000, 6000, 8000)
-P99_BOUND_S = 5.0       # "a few seconds"; 20 s at twice the capacity without shedding would queue ~10 s
+# "a few seconds": the budget, plus what ingest may append ahead of the apply loop (APPEND_AHEAD_MAX)
+# at a quarter core; 20 s at twice the capacity without shedding would queue ~10 s
+P99_BOUND_S = 2.5
 
 
 def window_stats(load: Load, ids: set, t0_ms: int, t1_ms: int) -> dict:
@@ -82,7 +90,7 @@ def run_step(load: Load, rate: float, seconds: float, drain_timeout: float = 180
     t1 = wall_ms()
     ids = set(load.requests) - before
     missing = load.wait_answered(timeout=drain_timeout)
-    assert not missing, f"{len(missing)} requests of the {rate}/s step unanswered"
+    assert not missing, f"the {rate}/s step: {load.explain_missing(missing)}"
     stats = window_stats(load, ids, t0, t1)
     stats["rate"] = rate
     stats["offered_per_s"] = round(len(ids) / seconds, 1)
@@ -104,40 +112,41 @@ def test_overload_is_shed_as_expired_and_latency_stays_bounded(kafka_bootstrap, 
         load = Load(kafka_bootstrap, prefix, rate=0, providers=160, heartbeat_s=2.0,
                     complete_after=(0.05, 0.2), prompt=(100, 1500), linger_ms=5, seed=3).start()
         wait_for(lambda: worker.metric("switchyard_providers_online") == 160, timeout=60, what="160 boxes online")
-        steps, shedding = [], None
-        for rate in RAMP:
-            stats, _ = run_step(load, rate, STEP_S)
-            steps.append(stats)
-            print(f"  ramp {rate}/s: {stats}")
-            if stats["expired_share"] > 0.01:
-                shedding = rate
-                break
-        assert shedding is not None, f"no shedding up to {RAMP[-1]}/s: {steps}"
-        # What one router decides: the most requests per second it answered other than `expired`.
-        capacity = max(s["not_expired_per_s"] for s in steps)
+        with cpu_share(worker, CPU_SHARE):  # see the module's docstring
+            steps, shedding = [], None
+            for rate in RAMP:
+                stats, _ = run_step(load, rate, STEP_S)
+                steps.append(stats)
+                print(f"  ramp {rate}/s: {stats}")
+                if stats["expired_share"] > 0.01:
+                    shedding = rate
+                    break
+            assert shedding is not None, f"no shedding up to {RAMP[-1]}/s: {steps}"
+            # What one router decides: the most requests per second it answered other than `expired`.
+            capacity = max(s["not_expired_per_s"] for s in steps)
 
-        # Overload: twice the rate one router decides, but no more than the step that shed (which
-        # is above that rate): at 2 × 5,000/s the driver queued requests faster than the broker
-        # took them (172,000 were unanswered after 5 minutes).
-        over_rate = min(2 * capacity, shedding)
-        over_s = min(OVERLOAD_S, OVERLOAD_REQUESTS / over_rate)
-        before = set(load.requests)
-        t0 = wall_ms()
-        load.set_rate(over_rate)
-        time.sleep(over_s)
-        load.set_rate(0)
-        t1 = wall_ms()
-        ids = set(load.requests) - before
-        missing = load.wait_answered(timeout=300)
-        assert not missing, f"{len(missing)} overload requests unanswered"
+            # Overload: twice the rate one router decides (the driver keeps up: asserted below).
+            over_rate = 2 * capacity
+            over_s = min(OVERLOAD_S, OVERLOAD_REQUESTS / over_rate)
+            before = set(load.requests)
+            t0 = wall_ms()
+            load.set_rate(over_rate)
+            time.sleep(over_s)
+            load.set_rate(0)
+            t1 = wall_ms()
+            ids = set(load.requests) - before
+            missing = load.wait_answered(timeout=300)
+        assert not missing, f"the overload: {load.explain_missing(missing)}"
         overall = window_stats(load, ids, t0, t1)
         # the same for the first and the second half of the overload (by send time)
         mid = (t0 + t1) // 2
         halves = [window_stats(load, {k for k in ids if load.requests[k]["sent_at_ms"] < mid}, t0, mid),
                   window_stats(load, {k for k in ids if load.requests[k]["sent_at_ms"] >= mid}, mid, t1)]
         assert worker.running() and not agent_crashes(worker), agent_crashes(worker)
+        # expired answers must be the router's shedding, not a driver that fell behind its schedule
+        assert overall["client_ack_s"]["p99"] < BUDGET_MS / 1000, f"the load driver lagged: {overall}"
         overall["offered_per_s"] = round(len(ids) / over_s, 1)
-        figures = {"budget_ms": BUDGET_MS, "step_s": STEP_S, "ramp": steps, "capacity_decisions_per_s": capacity,
+        figures = {"budget_ms": BUDGET_MS, "cpu_share": CPU_SHARE, "step_s": STEP_S, "ramp": steps, "capacity_decisions_per_s": capacity,
                    "shedding_starts_at_rate": shedding,
                    "first_expired_at_rate": next((s["rate"] for s in steps if s["outcomes"].get("expired")), None),
                    "goodput_share_by_half": [round(h["not_expired_per_s"] / capacity, 3) for h in halves], "overload_rate": over_rate, "overload_s": round(over_s, 1),

@@ -232,6 +232,9 @@ APPLIED_ON_ACK = Counter("switchyard_journal_entries_applied_on_ack_total",
                          "not when fetched from the journal", registry=registry)
 RESENT = Counter("switchyard_outputs_resent_total",
                  "Entries whose outputs were re-sent from the outbox after a restart", registry=registry)
+HELD_BACK = Counter("switchyard_ingest_held_back_seconds_total",
+                    "Time ingest waited for the apply loop (APPEND_AHEAD_MAX entries ahead): the router "
+                    "is saturated; its inputs wait in their topics", registry=registry)
 CORE_ERRORS = Counter("switchyard_core_errors_total", "Journal entries the core failed on (bugs)",
                       ["error"], registry=registry)
 
@@ -405,7 +408,8 @@ SAVE_DUE = None  # the apply queue's item that says the open batch's time is up
 # Ingest stays at most this many entries ahead of the apply loop. Past it, inputs wait in their
 # topics, so a request's journal time is close to when the router reaches it and an overloaded
 # router answers `expired` (now − sent_at_ms > the wait budget) instead of queueing without bound
-# between journal and apply, where no recorded time shows the wait (~80 ms of work at full speed).
+# between journal and apply, where no recorded time shows the wait (256: ~40–80 ms of work at full
+# speed). Ingest resumes below half of it.
 APPEND_AHEAD_MAX = 256
 
 
@@ -499,7 +503,9 @@ class Active:
                 for r in records:
                     while self.ahead >= APPEND_AHEAD_MAX:  # backpressure: see APPEND_AHEAD_MAX
                         self.room.clear()
+                        waited = time.perf_counter()
                         await self.room.wait()
+                        HELD_BACK.inc(time.perf_counter() - waited)
                     name, record = checked(tp.topic, r.key, r.value)
                     if name is None:
                         await dead_letter(r, *record)

@@ -81,16 +81,21 @@ def _or0(x: float) -> float:
     return 0.0 if x != x else x  # NaN (no sample) counts as nothing waited
 
 
-def run_step(load: Load, rate: float, seconds: float, drain_timeout: float = 180) -> tuple[dict, set]:
+def offer(load: Load, rate: float, seconds: float, what: str, drain_timeout: float) -> tuple[set, int, int]:
+    """Requests at `rate` for `seconds`, then every one answered: (their identities, t0, t1 in ms)."""
     before = set(load.requests)
     t0 = wall_ms()
     load.set_rate(rate)
     time.sleep(seconds)
     load.set_rate(0)
     t1 = wall_ms()
-    ids = set(load.requests) - before
     missing = load.wait_answered(timeout=drain_timeout)
-    assert not missing, f"the {rate}/s step: {load.explain_missing(missing)}"
+    assert not missing, f"{what}: {load.explain_missing(missing)}"
+    return set(load.requests) - before, t0, t1
+
+
+def run_step(load: Load, rate: float, seconds: float) -> tuple[dict, set]:
+    ids, t0, t1 = offer(load, rate, seconds, f"the {rate}/s step", drain_timeout=180)
     stats = window_stats(load, ids, t0, t1)
     stats["rate"] = rate
     stats["offered_per_s"] = round(len(ids) / seconds, 1)
@@ -128,15 +133,7 @@ def test_overload_is_shed_as_expired_and_latency_stays_bounded(kafka_bootstrap, 
             # Overload: twice the rate one router decides (the driver keeps up: asserted below).
             over_rate = 2 * capacity
             over_s = min(OVERLOAD_S, OVERLOAD_REQUESTS / over_rate)
-            before = set(load.requests)
-            t0 = wall_ms()
-            load.set_rate(over_rate)
-            time.sleep(over_s)
-            load.set_rate(0)
-            t1 = wall_ms()
-            ids = set(load.requests) - before
-            missing = load.wait_answered(timeout=300)
-        assert not missing, f"the overload: {load.explain_missing(missing)}"
+            ids, t0, t1 = offer(load, over_rate, over_s, "the overload", drain_timeout=300)
         overall = window_stats(load, ids, t0, t1)
         # the same for the first and the second half of the overload (by send time)
         mid = (t0 + t1) // 2

@@ -402,6 +402,8 @@ CHECKPOINT_SLICE = 64  # ... and between this many checkpoint writes (~1-2 ms)
 # a key changed many times in that window (meta, a model's serve counter and queue, a provider's
 # reservations) is exported and written once. The journal holds every entry meanwhile: after a
 # crash the entries after the last delta are applied again from it and their outputs re-sent.
+# While ingest is held back (APPEND_AHEAD_MAX) and more entries wait, the batch stays open up to
+# SAVE_MAX_ENTRIES: a backlog is saved in big deltas (a provider's row once for several heartbeats).
 SAVE_EVERY_S = 0.025
 SAVE_MAX_ENTRIES = 2000
 SAVE_DUE = None  # the apply queue's item that says the open batch's time is up
@@ -448,6 +450,8 @@ class Active:
         self.room: asyncio.Event | None = None              # set when ingest may append again
         self.batch = Batch()                                # applied, not saved yet
         self.save_due: asyncio.TimerHandle | None = None
+        self.save_overdue = False                           # SAVE_DUE came while the loop was behind
+        self.held_back = False                              # ingest waited for room since the last save
         self.inputs: dict[str, int] = {}                    # "topic<SEP>partition" -> last appended
         self.inputs_changed = False
         self.unflushed: deque = deque()                     # (last offset, futures) per saved batch
@@ -502,6 +506,7 @@ class Active:
             for tp, records in batches.items():
                 for r in records:
                     while self.ahead >= APPEND_AHEAD_MAX:  # backpressure: see APPEND_AHEAD_MAX
+                        self.held_back = True
                         self.room.clear()
                         waited = time.perf_counter()
                         await self.room.wait()
@@ -587,6 +592,7 @@ class Active:
             if self.save_due is not None:
                 self.save_due.cancel()
                 self.save_due = None
+            self.save_overdue = self.held_back = False
         if batch.first is None:
             return
         self._advance_flushed()
@@ -613,6 +619,7 @@ class Active:
             slice_start = time.perf_counter()
             for item in items:
                 if item is SAVE_DUE:
+                    self.save_overdue = True
                     continue
                 ack, time_ms, name, record, raw, source = item
                 self.ahead -= 1
@@ -633,7 +640,9 @@ class Active:
                 self._note_input(source)
                 await self._apply_one(offset, time_ms, name, record, DOMAIN_KEY, raw, batch)
                 APPLIED_ON_ACK.inc()
-            if SAVE_DUE in items or (batch.first is not None and router.offset - batch.first >= SAVE_MAX_ENTRIES):
+            behind = self.held_back and not self.acks.empty()
+            if (self.save_overdue and not behind) or \
+                    (batch.first is not None and router.offset - batch.first >= SAVE_MAX_ENTRIES):
                 await self._save(batch)
             self.busy = False
 
@@ -677,7 +686,7 @@ class Active:
         self.ahead, self.room = 0, asyncio.Event()
         if self.save_due is not None:  # a restart: what the last run applied and did not save is
             self.save_due.cancel()     # applied again from the journal, after the saved state
-        self.batch, self.save_due = Batch(), None
+        self.batch, self.save_due, self.save_overdue, self.held_back = Batch(), None, False, False
         kafka = dict(bootstrap_servers=BOOTSTRAP, enable_auto_commit=False, **SECURITY.aiokafka_kwargs())
         self.journal = AIOKafkaConsumer(**kafka)
         inputs = AIOKafkaConsumer(fetch_max_wait_ms=faust_consumer.FETCH_MAX_WAIT_MS, **kafka)

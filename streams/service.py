@@ -271,7 +271,8 @@ async def send_raw(topic: str, key: bytes, value: bytes, partition: int | None =
     elif partition not in known:
         raise ValueError(f"{topic} has no partition {partition}")
     return await producer._message_accumulator.add_message(
-        TopicPartition(topic, partition), key, value, producer._request_timeout_ms / 1000, timestamp_ms=timestamp_ms, headers=headers or [])
+        TopicPartition(topic, partition), key, value, producer._request_timeout_ms / 1000,
+        timestamp_ms=timestamp_ms, headers=headers or [])
 
 
 class ReplyTopics:

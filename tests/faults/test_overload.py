@@ -145,7 +145,8 @@ def test_overload_is_shed_as_expired_and_latency_stays_bounded(kafka_bootstrap, 
         # expired answers must be the router's shedding, not a driver that fell behind its schedule
         assert overall["client_ack_s"]["p99"] < BUDGET_MS / 1000, f"the load driver lagged: {overall}"
         overall["offered_per_s"] = round(len(ids) / over_s, 1)
-        figures = {"budget_ms": BUDGET_MS, "cpu_share": CPU_SHARE, "step_s": STEP_S, "ramp": steps, "capacity_decisions_per_s": capacity,
+        figures = {"budget_ms": BUDGET_MS, "cpu_share": CPU_SHARE, "step_s": STEP_S, "ramp": steps,
+                   "capacity_decisions_per_s": capacity,
                    "shedding_starts_at_rate": shedding,
                    "first_expired_at_rate": next((s["rate"] for s in steps if s["outcomes"].get("expired")), None),
                    "goodput_share_by_half": [round(h["not_expired_per_s"] / capacity, 3) for h in halves], "overload_rate": over_rate, "overload_s": round(over_s, 1),

@@ -2,6 +2,7 @@
 
     python -m benchmarks.echo_baselines echo     --bootstrap B --requests T --replies R
     python -m benchmarks.echo_baselines pipeline --bootstrap B --requests T --journal J --replies R [--no-avro]
+                                                 [--inputs T2,T3]
     python -m benchmarks.echo_baselines echo_librdkafka --bootstrap B --requests T --replies R
 
 * ``echo`` — one hop: consume the request topic, produce each value unchanged to the reply topic
@@ -12,6 +13,8 @@
   do what the worker's adapter does with Avro and nothing more: stage 1 decodes the request
   (validation) and appends the original bytes, stage 2 decodes the journal entry and encodes the
   reply (the request record re-encoded, to the reply topic). ``--no-avro`` copies bytes only.
+  ``--inputs``: more input topics appended to the journal by stage 1 (as a worker ingests
+  heartbeats and completions); stage 2 decodes every entry and replies to RouteRequests only.
 * ``echo_librdkafka`` — ``echo`` on confluent-kafka (librdkafka, the protocol in C) instead of
   aiokafka (the protocol in Python): what the Kafka client alone costs a hop (optional; needs
   ``pip install confluent-kafka``).
@@ -48,15 +51,16 @@ CONSUMER_SETTINGS = {"group_id": None, "enable_auto_commit": False, "fetch_max_w
 
 
 # === the child's side ================================================================================
-async def _consumer_at_start(bootstrap: str, topic: str):
+async def _consumer_at_start(bootstrap: str, *topics: str):
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id=f"bench-{topic}", **CONSUMER_SETTINGS)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id=f"bench-{topics[0]}", **CONSUMER_SETTINGS)
     await consumer.start()
-    tp = TopicPartition(topic, 0)
-    consumer.assign([tp])
-    await consumer.seek_to_beginning(tp)
-    await consumer.position(tp)
+    tps = [TopicPartition(topic, 0) for topic in topics]
+    consumer.assign(tps)
+    await consumer.seek_to_beginning(*tps)
+    for tp in tps:
+        await consumer.position(tp)
     return consumer
 
 
@@ -117,6 +121,8 @@ async def serve(args) -> None:
                 value = record.value
                 if avro:
                     name, rec = codec.decode(value)
+                    if name != "RouteRequest":  # a heartbeat or completion (--inputs): no reply
+                        return
                     value = codec.encode(name, rec)
                 await producer.send(args.replies, value=value, key=record.key)
 
@@ -143,7 +149,7 @@ async def serve(args) -> None:
 
                 tasks.append(_stage(consumer, either, stats, "records"))
             else:
-                consumers.append(await _consumer_at_start(args.bootstrap, args.requests))
+                consumers.append(await _consumer_at_start(args.bootstrap, args.requests, *args.inputs))
                 consumers.append(await _consumer_at_start(args.bootstrap, args.journal))
                 tasks.append(_stage(consumers[0], ingest, stats, "stage1"))
                 tasks.append(_stage(consumers[1], reply, stats, "stage2"))
@@ -192,9 +198,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-avro", action="store_true", help="pipeline: copy bytes, no Avro decode/encode")
     ap.add_argument("--shared-consumer", action="store_true",
                     help="pipeline: one consumer for both stages (default: one per stage)")
+    ap.add_argument("--inputs", default="", help="pipeline: more input topics for the journal, comma-separated")
     args = ap.parse_args(argv)
+    args.inputs = [t for t in args.inputs.split(",") if t]
     if args.mode == "pipeline" and not args.journal:
         ap.error("pipeline needs --journal")
+    if args.inputs and (args.mode != "pipeline" or args.no_avro or args.shared_consumer):
+        ap.error("--inputs: pipeline only, with Avro, one consumer per stage")
     if args.mode == "echo_librdkafka":
         serve_librdkafka(args)
     else:

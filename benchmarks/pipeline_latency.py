@@ -3,7 +3,7 @@ aiokafka baselines measured in the same run (docs/benchmarks.md).
 
     .venv/bin/python -m benchmarks.pipeline_latency [--rates 200,1000] [--seconds 15] [--providers 1260]
 
-Three systems, one open-loop load driver (this process, asyncio + aiokafka):
+Five systems, one open-loop load driver (this process, asyncio + aiokafka):
 
 * ``echo`` — one hop: a child consumes the request topic and produces each value to the reply
   topic (`benchmarks.echo_baselines echo`);
@@ -14,16 +14,24 @@ Three systems, one open-loop load driver (this process, asyncio + aiokafka):
   models, ``--per-box`` per provider) that heartbeat every ``--heartbeat-s`` seconds from a
   separate child process (``fleet`` role below) during the switchyard phases — 252 heartbeats/s
   for 1,260 providers every 5 s; the same child sends a Completion ``--hold-ms`` after each routed
-  decision, so capacity is released as a real gateway would.
+  decision, so capacity is released as a real gateway would;
+* ``echo_fleet``, ``pipeline_fleet`` — the two baselines measured under the switchyard phase's
+  traffic: a fleet child of their own heartbeats and sends a Completion after each reply (the
+  echoed request names its model; a provider of that model completes it), and the pipeline's
+  stage 1 appends those heartbeats and completions to its journal too (stage 2 replies to the
+  requests only) — the worker's hops with everything the worker carries, and no logic. The
+  plain ``echo`` and ``pipeline`` run on a quieter machine than the worker (no fleet child, no
+  heartbeats or completions through the broker); the goals are reported against both.
 
 Optional (``--systems``): ``pipeline_shared`` (the pipeline with one consumer for both stages) and
 ``echo_librdkafka`` (the echo on confluent-kafka: what a Kafka client in C costs a hop, next to
 aiokafka's; `pip install -e '.[bench]'`).
 
-For each rate, the systems run one after the other (echo, pipeline, switchyard; the fleet child
-heartbeats only during the switchyard phase): ``--warmup`` seconds of load that are not counted,
-then ``--seconds`` measured. Each request is a RouteRequest (streams.codec, a random model of the
-fleet, key = request_id, reply_to = the benchmark's reply topic); the driver timestamps each send
+For each rate, the systems run one after the other (echo, pipeline, echo_fleet, pipeline_fleet,
+switchyard; each fleet child heartbeats only during its system's phase): ``--warmup`` seconds of
+load that are not counted, then ``--seconds`` measured. Each request is a RouteRequest
+(streams.codec, a random model of the fleet, key = request_id, reply_to = the benchmark's reply
+topic); the driver timestamps each send
 (perf_counter just before `producer.send`) and its reply consumer the receipt (once per fetched
 batch, before decoding); latency = receipt − send, in the driver. Lost = measured requests without
 a reply ``--drain`` seconds after the last send. Achieved = measured sends / their time span.
@@ -50,6 +58,7 @@ import subprocess
 import sys
 import time
 import uuid
+import zlib
 from collections import Counter, deque
 from pathlib import Path
 
@@ -61,8 +70,9 @@ from benchmarks.echo_baselines import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Chil
 from benchmarks.fleet import fleet_events, heartbeat, model_names, request  # noqa: E402
 from streams import codec  # noqa: E402
 
-SYSTEMS = ("echo", "echo_librdkafka", "pipeline", "pipeline_shared", "switchyard")  # 2 and 4: optional
-DEFAULT_SYSTEMS = ("echo", "pipeline", "switchyard")
+SYSTEMS = ("echo", "echo_librdkafka", "pipeline", "pipeline_shared", "echo_fleet", "pipeline_fleet", "switchyard")
+DEFAULT_SYSTEMS = ("echo", "pipeline", "echo_fleet", "pipeline_fleet", "switchyard")
+BASELINES = ("echo", "pipeline", "echo_fleet", "pipeline_fleet")
 WORKER_OUTPUT_TOPICS = ("switchyard.decisions", "switchyard.reservations", "switchyard.capacity",
                         "switchyard.deadletter")
 GOAL_P50_VS_PIPELINE = 1.5
@@ -195,12 +205,17 @@ def profile_summary(path: str | Path) -> dict:
 # === the fleet child: heartbeats and completions ===================================================
 async def fleet_main(args) -> None:
     """Heartbeat every provider every `interval` s, evenly spread; send a Completion `hold_ms` after
-    each routed decision on the reply topic. SIGUSR1 pauses the heartbeats, SIGUSR2 resumes them."""
+    each routed decision on the reply topic (for a baseline, after each reply: the echoed request).
+    SIGUSR1 pauses the heartbeats, SIGUSR2 resumes them."""
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
     names = model_names(args.models)
     fleet = [(f"p{i:05d}", i, [names[(i + j) % args.models] for j in range(args.per_box)])
              for i in range(args.providers)]
+    by_model: dict[str, list[str]] = {}
+    for pid, _, mine in fleet:
+        for m in mine:
+            by_model.setdefault(m, []).append(pid)
     providers_topic = args.prefix + "switchyard.providers"
     completions_topic = args.prefix + "switchyard.completions"
     producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap, client_id="bench-fleet", **PRODUCER_SETTINGS)
@@ -248,16 +263,24 @@ async def fleet_main(args) -> None:
             for records in batches.values():
                 for r in records:
                     try:
-                        _, d = codec.decode_as(r.value, "RouteDecision")
+                        name, d = codec.decode(r.value)
                     except codec.CodecError:
                         continue
-                    stats["decision_" + d["outcome"]] += 1
-                    if d["outcome"] == "routed":
-                        pending.append((due, {
-                            "event_id": uuid.uuid4().hex, "request_id": d["request_id"],
-                            "attempt": d["attempt"], "provider_id": d["provider_id"], "model": d["model"],
-                            "status": "ok", "prompt_tokens": 1200, "completion_tokens": 64, "ttft_ms": 0.0,
-                            "completed_at_ms": 0}))
+                    if name == "RouteRequest":  # a baseline's reply (the request, echoed): a provider
+                        stats["decision_echoed"] += 1  # of its model completes it, as after a decision
+                        serving = by_model[d["model"]]
+                        d["provider_id"] = serving[zlib.crc32(r.key or b"") % len(serving)]
+                    elif name == "RouteDecision":
+                        stats["decision_" + d["outcome"]] += 1
+                        if d["outcome"] != "routed":
+                            continue
+                    else:
+                        continue
+                    pending.append((due, {
+                        "event_id": uuid.uuid4().hex, "request_id": d["request_id"],
+                        "attempt": d["attempt"], "provider_id": d["provider_id"], "model": d["model"],
+                        "status": "ok", "prompt_tokens": 1200, "completion_tokens": 64, "ttft_ms": 0.0,
+                        "completed_at_ms": 0}))
 
     async def completions() -> None:
         while True:
@@ -564,27 +587,25 @@ def report(results: list[dict], rates: list[float]) -> tuple[str, list[dict]]:
             lines.append(f"{rate:>7g} {s:<15} {fmt(r['p50_ms'], 2):>7} {fmt(r['p90_ms'], 2):>7} "
                          f"{fmt(r['p99_ms'], 2):>7} {fmt(r['max_ms'], 1):>7} {fmt(r['achieved_rate']):>10} "
                          f"{r['replies']:>7} {r['lost']:>5}")
-        ours, echo, pipe = by.get("switchyard"), by.get("echo"), by.get("pipeline")
+        ours = by.get("switchyard")
         if ours:
-            q = {"rate": rate,
-                 "p50_vs_echo": ratio(ours["p50_ms"], echo and echo["p50_ms"]),
-                 "p50_vs_pipeline": ratio(ours["p50_ms"], pipe and pipe["p50_ms"]),
-                 "p99_vs_echo": ratio(ours["p99_ms"], echo and echo["p99_ms"]),
-                 "p99_vs_pipeline": ratio(ours["p99_ms"], pipe and pipe["p99_ms"]),
-                 "p99_ms": ours["p99_ms"]}
-            q["goals"] = {
-                f"p50 <= {GOAL_P50_VS_PIPELINE}x pipeline": q["p50_vs_pipeline"] is not None
-                and q["p50_vs_pipeline"] <= GOAL_P50_VS_PIPELINE,
-                f"p50 <= {GOAL_P50_VS_ECHO}x echo": q["p50_vs_echo"] is not None and q["p50_vs_echo"] <= GOAL_P50_VS_ECHO,
-                f"p99 < {GOAL_P99_MS} ms": ours["p99_ms"] is not None and ours["p99_ms"] < GOAL_P99_MS,
-                "no lost replies": ours["lost"] == 0}
+            q = {"rate": rate, "p99_ms": ours["p99_ms"]}
+            for b in BASELINES:
+                q[f"p50_vs_{b}"] = ratio(ours["p50_ms"], by.get(b) and by[b]["p50_ms"])
+                q[f"p99_vs_{b}"] = ratio(ours["p99_ms"], by.get(b) and by[b]["p99_ms"])
+            q["goals"] = {f"p50 <= {goal}x {b}": q[f"p50_vs_{b}"] <= goal
+                          for b, goal in (("pipeline", GOAL_P50_VS_PIPELINE), ("echo", GOAL_P50_VS_ECHO),
+                                          ("pipeline_fleet", GOAL_P50_VS_PIPELINE), ("echo_fleet", GOAL_P50_VS_ECHO))
+                          if q[f"p50_vs_{b}"] is not None}
+            q["goals"].update({f"p99 < {GOAL_P99_MS} ms": ours["p99_ms"] is not None and ours["p99_ms"] < GOAL_P99_MS,
+                               "no lost replies": ours["lost"] == 0})
             ratios.append(q)
     lines.append("")
     for q in ratios:
         met = ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in q["goals"].items())
-        lines.append(f"rate {q['rate']:g}/s  switchyard/echo p50 {fmt(q['p50_vs_echo'], 2)}x p99 "
-                     f"{fmt(q['p99_vs_echo'], 2)}x;  switchyard/pipeline p50 {fmt(q['p50_vs_pipeline'], 2)}x "
-                     f"p99 {fmt(q['p99_vs_pipeline'], 2)}x;  {met}")
+        vs = ";  ".join(f"/{b} p50 {fmt(q[f'p50_vs_{b}'], 2)}x p99 {fmt(q[f'p99_vs_{b}'], 2)}x"
+                        for b in BASELINES if q[f"p50_vs_{b}"] is not None)
+        lines.append(f"rate {q['rate']:g}/s  switchyard {vs}\n    {met}")
     lines.append("")
     lines.append("CPU per phase (cores = CPU seconds / wall seconds; others = the rest of the machine):")
     for r in results:
@@ -631,8 +652,8 @@ def parse_args(argv=None):
     ap.add_argument("--heartbeat-s", type=float, default=5.0, help="heartbeat interval per provider (default 5)")
     ap.add_argument("--hold-ms", type=float, default=200.0, help="routed request -> its Completion (default 200)")
     ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
-                    help="comma-separated, in order, of echo,pipeline,pipeline_shared,switchyard "
-                         "(default echo,pipeline,switchyard; pipeline_shared: the bare pipeline with one "
+                    help="comma-separated, in order, of " + ",".join(SYSTEMS) + " (default "
+                         + ",".join(DEFAULT_SYSTEMS) + "; pipeline_shared: the bare pipeline with one "
                          "consumer for both stages)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default="out/bench/pipeline_latency.json")
@@ -676,11 +697,18 @@ def main(argv=None) -> int:
         "echo_librdkafka": (base + "echork.requests", base + "echork.replies"),
         "pipeline": (base + "pipe.requests", base + "pipe.replies"),
         "pipeline_shared": (base + "pipe1.requests", base + "pipe1.replies"),
+        "echo_fleet": (base + "echoF.requests", base + "echoF.replies"),
+        "pipeline_fleet": (base + "pipeF.requests", base + "pipeF.replies"),
         "switchyard": (base + "sy.switchyard.requests", base + "sy.bench.replies"),
     }
     pipe_journal = base + "pipe.journal"
     pipe1_journal = base + "pipe1.journal"
+    pipeF_journal = base + "pipeF.journal"
     sy_prefix = base + "sy."
+    # where each fleet child sends heartbeats and completions (prefix + switchyard.providers, ...)
+    fleet_prefix = {"echo_fleet": base + "echoF.", "pipeline_fleet": base + "pipeF.", "switchyard": sy_prefix}
+    fleet_inputs = {s: [fleet_prefix[s] + "switchyard.providers", fleet_prefix[s] + "switchyard.completions"]
+                    for s in ("echo_fleet", "pipeline_fleet")}
     info = machine_info()
     info.update(run_id=run_id, rundir=str(rundir), settings={
         k: getattr(args, k) for k in ("rates", "seconds", "warmup", "drain", "providers", "models", "per_box",
@@ -688,8 +716,9 @@ def main(argv=None) -> int:
         pipeline_avro="decode on both stages, encode of the reply")
     models = model_names(args.models)
 
-    broker = worker = fleet = None
+    broker = worker = None
     children: dict[str, Child] = {}
+    fleets: dict[str, Child] = {}  # system -> its fleet child (heartbeats during its phases)
     results: list[dict] = []
     code = 0
     try:
@@ -707,6 +736,8 @@ def main(argv=None) -> int:
         asyncio.run(ensure_topics(bootstrap, [t for s in systems for t in topics[s]]
                                   + ([pipe_journal] if "pipeline" in systems else [])
                                   + ([pipe1_journal] if "pipeline_shared" in systems else [])
+                                  + ([pipeF_journal] if "pipeline_fleet" in systems else [])
+                                  + [t for s in fleet_inputs if s in systems for t in fleet_inputs[s]]
                                   + ([sy_prefix + t for t in WORKER_OUTPUT_TOPICS] if "switchyard" in systems else [])))
         if "echo" in systems:
             children["echo"] = Child("benchmarks.echo_baselines", [
@@ -725,6 +756,26 @@ def main(argv=None) -> int:
                 "pipeline", "--shared-consumer", "--bootstrap", bootstrap, "--requests", topics["pipeline_shared"][0],
                 "--journal", pipe1_journal, "--replies", topics["pipeline_shared"][1]],
                 rundir / "pipeline_shared.log").start()
+        if "echo_fleet" in systems:
+            children["echo_fleet"] = Child("benchmarks.echo_baselines", [
+                "echo", "--bootstrap", bootstrap, "--requests", topics["echo_fleet"][0],
+                "--replies", topics["echo_fleet"][1]], rundir / "echo_fleet.log").start()
+        if "pipeline_fleet" in systems:
+            children["pipeline_fleet"] = Child("benchmarks.echo_baselines", [
+                "pipeline", "--bootstrap", bootstrap, "--requests", topics["pipeline_fleet"][0],
+                "--inputs", ",".join(fleet_inputs["pipeline_fleet"]), "--journal", pipeF_journal,
+                "--replies", topics["pipeline_fleet"][1]], rundir / "pipeline_fleet.log").start()
+
+        def start_fleet(system: str) -> None:
+            fleets[system] = Child("benchmarks.pipeline_latency", [
+                "fleet", "--bootstrap", bootstrap, "--prefix", fleet_prefix[system], "--replies",
+                topics[system][1], "--providers", str(args.providers), "--models", str(args.models),
+                "--per-box", str(args.per_box), "--interval", str(args.heartbeat_s), "--hold-ms",
+                str(args.hold_ms), "--paused"], rundir / f"fleet-{system}.log").start()
+
+        for system in fleet_inputs:
+            if system in systems:
+                start_fleet(system)
         if "switchyard" in systems:
             print(f"starting a worker (log {rundir / 'worker.log'}) ...", flush=True)
             worker_env = dict(item.partition("=")[::2] for item in args.worker_env)
@@ -733,23 +784,19 @@ def main(argv=None) -> int:
             asyncio.run(register_fleet(bootstrap, sy_prefix, args.providers, args.models, args.per_box))
             wait_metric(worker, "switchyard_providers_online", args.providers, 180)
             print(f"{args.providers} providers online after {time.monotonic() - t0:.1f}s", flush=True)
-            fleet = Child("benchmarks.pipeline_latency", [
-                "fleet", "--bootstrap", bootstrap, "--prefix", sy_prefix, "--replies", topics["switchyard"][1],
-                "--providers", str(args.providers), "--models", str(args.models), "--per-box", str(args.per_box),
-                "--interval", str(args.heartbeat_s), "--hold-ms", str(args.hold_ms), "--paused"],
-                rundir / "fleet.log").start()
+            start_fleet("switchyard")
 
         # Prime every system (first-use costs: metadata of output topics the worker creates on first
         # send, the core's per-model candidate indexes): 2 s at 20 requests/s, not reported.
         for system in systems:
-            if system == "switchyard":
-                os.kill(fleet.pid, signal.SIGUSR2)
+            if system in fleets:
+                os.kill(fleets[system].pid, signal.SIGUSR2)
             try:
                 primed, _ = asyncio.run(drive(bootstrap, system, *topics[system], 20.0, 0.0, 2.0, models,
                                               args.seed + 1, 10.0))
             finally:
-                if system == "switchyard":
-                    os.kill(fleet.pid, signal.SIGUSR1)
+                if system in fleets:
+                    os.kill(fleets[system].pid, signal.SIGUSR1)
             print(f"primed {system}: {primed['replies']}/{primed['requests']} replies, p50 "
                   f"{fmt(primed['p50_ms'], 1)} ms", flush=True)
 
@@ -758,12 +805,14 @@ def main(argv=None) -> int:
                 print(f"rate {rate:g}/s: {system} ({args.warmup:g}+{args.seconds:g} s) ...", flush=True)
                 before = parse_metrics(worker.metrics()) if system == "switchyard" else {}
                 journal_topic = {"pipeline": pipe_journal, "pipeline_shared": pipe1_journal,
+                                 "pipeline_fleet": pipeF_journal,
                                  "switchyard": sy_prefix + "switchyard.journal"}.get(system)
                 jstart = asyncio.run(end_offset(bootstrap, journal_topic)) if journal_topic else None
                 spy = None
-                if system == "switchyard":
-                    os.kill(fleet.pid, signal.SIGUSR2)  # heartbeats on
+                if system in fleets:
+                    os.kill(fleets[system].pid, signal.SIGUSR2)  # heartbeats on
                     time.sleep(1.0)
+                if system == "switchyard":
                     if args.py_spy:
                         Path(args.py_spy).mkdir(parents=True, exist_ok=True)
                         spy = subprocess.Popen(
@@ -774,16 +823,16 @@ def main(argv=None) -> int:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 pids = {"system": worker.proc.pid if system == "switchyard" else children[system].pid,
                         "broker": broker.pid if broker is not None else None}
-                if system == "switchyard":
-                    pids["fleet"] = fleet.pid
+                if system in fleets:
+                    pids["fleet"] = fleets[system].pid
                 meter = CpuMeter(pids).start()
                 t_phase = time.monotonic()
                 try:
                     res, arrays = asyncio.run(drive(bootstrap, system, *topics[system], rate, args.warmup,
                                                     args.seconds, models, args.seed, args.drain))
                 finally:
-                    if system == "switchyard":
-                        os.kill(fleet.pid, signal.SIGUSR1)  # heartbeats off
+                    if system in fleets:
+                        os.kill(fleets[system].pid, signal.SIGUSR1)  # heartbeats off
                     if spy is not None:
                         spy.wait(60)
                 phase_s = time.monotonic() - t_phase
@@ -826,8 +875,8 @@ def main(argv=None) -> int:
         code = 1
     finally:
         info["children"] = {}
-        if fleet is not None:
-            info["children"]["fleet"] = fleet.stop()
+        for name, child in fleets.items():
+            info["children"]["fleet-" + name] = child.stop()
         for name, child in children.items():
             info["children"][name] = child.stop()
         if worker is not None:

@@ -12,6 +12,8 @@ Columns:
   (its rows are rebuilt in every index); "hb same": the report repeated (rows kept);
 - hb+decide: a heartbeat to a provider of the model, then decide+release (ring medians move, so
   the index refreshes ring-dependent columns first);
+- feed ms: one capacity feed (`Router.capacity` for every model, from the candidate indexes),
+  next to "loop ms", the same feed by the scalar loop (`Router._capacity_scan`), its baseline;
 - peak MiB: tracemalloc peak while registering the fleet and building the indexes.
 Times are CPU time of this process (`time.process_time`): "µs on one core", and much less
 sensitive to other tenants of the machine than wall time. A full garbage collection runs before
@@ -138,6 +140,16 @@ def bench(n, models, per_box, reps, scalar_reps):
         d.beat((i * 7919) % n)
         d.decide_release(names[i % models])
     mixed = (time.process_time() - t0) / reps * 1e6
+    # the capacity feed: from the indexes, then by the scalar loop (same figures: tests/core)
+    feeds = []
+    for feed in (r.capacity, r._capacity_scan):
+        feed(names[0])  # untimed: the first call refreshes the index
+        gc.collect()
+        t0 = time.process_time()
+        for _ in range(3):
+            for model in r.models():
+                feed(model)
+        feeds.append((time.process_time() - t0) / 3 * 1e3)
     served = r.fast.stats["scans"]
     ids = list(ids)
     # scalar reference
@@ -158,6 +170,7 @@ def bench(n, models, per_box, reps, scalar_reps):
     peak = peak_memory(n, models, per_box)
     return dict(shape=f"{n}x{models} ({per_box}/box)", candidates=len(ids), decide_us=decide,
                 scalar_us=scalar, heartbeat_us=hb, heartbeat_same_us=hb_same, mixed_us=mixed, baseline_loop_us=base,
+                feed_ms=feeds[0], feed_loop_ms=feeds[1],
                 ratio=decide / base, peak_mb=peak / 2**20, index_ms=index_ms, fast_scans=served)
 
 
@@ -187,14 +200,14 @@ def main():
         return
     scalar_reps = 0 if args.no_scalar else (20 if args.quick else 50)
     print(f"{'shape':<20}{'cands':>6}{'decide+rel µs':>14}{'scalar µs':>11}{'heartbeat µs':>13}"
-          f"{'hb same µs':>11}{'hb+decide µs':>13}{'bare loop µs':>13}{'ratio':>7}{'peak MiB':>9}"
-          f"{'index build ms':>15}")
+          f"{'hb same µs':>11}{'hb+decide µs':>13}{'bare loop µs':>13}{'ratio':>7}{'feed ms':>8}{'loop ms':>8}"
+          f"{'peak MiB':>9}{'index build ms':>15}")
     for n, m, per in SHAPES:
         row = bench(n, m, per, reps, scalar_reps)
         print(f"{row['shape']:<20}{row['candidates']:>6}{row['decide_us']:>14.1f}{row['scalar_us']:>11.0f}"
               f"{row['heartbeat_us']:>13.1f}{row['heartbeat_same_us']:>11.1f}{row['mixed_us']:>13.1f}"
-              f"{row['baseline_loop_us']:>13.1f}"
-              f"{row['ratio']:>7.1f}{row['peak_mb']:>9.1f}{row['index_ms']:>15.0f}")
+              f"{row['baseline_loop_us']:>13.1f}{row['ratio']:>7.1f}{row['feed_ms']:>8.2f}{row['feed_loop_ms']:>8.1f}"
+              f"{row['peak_mb']:>9.1f}{row['index_ms']:>15.0f}")
 
 
 if __name__ == "__main__":

@@ -63,8 +63,8 @@ NO_MEDIANS = np.zeros(0)
 NF = 16
 # int columns
 (I_GIDX, I_LOAD, I_CAP, I_BOXMAX, I_BASE, I_EQ, I_W, I_THR, I_RATE, I_BLNUM, I_BLWAIT, I_BLPOT,
- I_BLPEND, I_FAM, I_CLS, I_SRC, I_FBSRC, I_VER, I_ACCT) = range(19)
-NI = 19
+ I_BLPEND, I_FAM, I_CLS, I_SRC, I_FBSRC, I_VER, I_ACCT, I_BMAX) = range(20)
+NI = 20
 # bool columns
 (B_PREPUB, B_GATEPUB, B_GATEOWN, B_GATESELF, B_OKSTATE, B_VISION, B_HASMC, B_TL, B_KVS, B_HASBC,
  B_NOBC, B_LOADED, B_EFFRING, B_PFRING, B_DECPOS, B_LM, B_LMUNL, B_LMFFL, B_LMFFLOK) = range(19)
@@ -205,6 +205,7 @@ class FastPath:
         cap = 64
         self.npend = np.zeros(cap, dtype=np.int64)
         self.pool = np.full(cap, BIG, dtype=np.int64)
+        self.pooled = np.zeros(cap, dtype=bool)  # per slot: the box reports a KV pool (pool.total > 0)
         self.byte = [False] * cap  # per slot: pooled budget counted in bytes (not read by the kernels)
 
     # === maintenance ============================================================================
@@ -221,6 +222,7 @@ class FastPath:
                 n = 2 * len(self.npend)
                 self.npend = np.resize(self.npend, n)
                 self.pool = np.resize(self.pool, n)
+                self.pooled = np.resize(self.pooled, n)
                 self.byte += [False] * (n - len(self.byte))
         self.gidx[p.provider_id] = g
         self._provider_cells(p, g)
@@ -311,7 +313,9 @@ class FastPath:
         self.npend[g] = len(p.pending)
         b = p.backend
         byte = False
-        if b is None or b.pool.total <= 0:
+        pooled = b is not None and b.pool.total > 0
+        self.pooled[g] = pooled
+        if not pooled:
             free = BIG
         else:
             pool = b.pool
@@ -440,7 +444,7 @@ class FastPath:
              total - active, 0.0 if loaded else size, size, total)
         n = (self.gidx[p.provider_id], eq if has_mc else 0, cap, box_max, base, eq,
              waiting + max(0, pbm - rw), thr, rate, blnum, blwait, blpot, blpend, fam, cls, SRC[src],
-             SRC[fb_src], ver, acct)
+             SRC[fb_src], ver, acct, slot.budget_max if budget else 0)
         bb = (gate_pub and okstate, gate_pub, gate_own, gate_self, okstate, entry.is_vision, has_mc,
               not critical and toolarge, not critical and not toolarge, has_bc, not has_bc, loaded,
               not (slot is not None and slot.observed_decode_tps > 0),
@@ -587,6 +591,19 @@ class FastPath:
             return None
         self.stats["scans"] += 1
         return self._scan(req, ix, P, R)  # compiled with numpy's error model: no warnings to silence
+
+    def capacity(self, model: str, prompt: int) -> tuple[int, int, int, float] | None:
+        """The capacity feed's figures for the model from its index, exactly those of the scalar
+        loop (`Router.capacity`): (routable providers, remaining concurrency, remaining tokens,
+        best estimated TTFT for a `prompt`-token request); None to use that loop."""
+        ix = self.index(model) if self.router.by_model.get(model) else None
+        if ix is None:
+            return None
+        raw, ttft = np.empty(ix.n), np.empty(ix.n)
+        got = kernel.capacity(ix.F, ix.I, ix.B, ix.decode_medians, ix.ratio_table, self.npend, self.pool,
+                              self.pooled, prompt, self.router.config.ttft_calibration, raw, ttft)
+        self.stats["capacity" if got[0] >= 0 else "declined_capacity"] += 1
+        return got if got[0] >= 0 else None
 
     def _scan(self, req, ix: ModelIndex, P: int, R: int) -> FastScan:
         r = self.router

@@ -874,6 +874,17 @@ class Router:
 
     # === capacity feed (domain §2.10.7) =============================================================
     def capacity(self, model: str) -> dict:
+        """The per-model capacity feed (domain §2.10.7), from the model's candidate index when the
+        fast path has one (one compiled pass), else by the loop below (the same figures)."""
+        got = self.fast.capacity(model, CAPACITY_FEED_PROMPT) if self.fast is not None else None
+        if got is None:
+            got = self._capacity_scan(model)
+        routable, concurrency, tokens, best_ttft = got
+        return {"model": model, "routable_providers": routable, "remaining_concurrency": concurrency,
+                "remaining_tokens": tokens, "estimated_ttft_ms": best_ttft, "at_ms": self.now,
+                "journal_offset": self.offset}
+
+    def _capacity_scan(self, model: str) -> tuple[int, int, int, float]:
         c, rings = self.config, self.rings
         probe = Request(request_id="", attempt=0, model=model, prompt=CAPACITY_FEED_PROMPT,
                         max_tokens=DEFAULT_MAX_TOKENS, max_ttft_ms=0.0, min_decode_tps=0.0,
@@ -911,9 +922,7 @@ class Router:
                 t = self.calibrator.apply(raw, est.state_penalty(est.slot_state(p, slot)), ratio)
                 if t > 0 and (best_ttft == 0.0 or t < best_ttft):
                     best_ttft = t
-        return {"model": model, "routable_providers": routable, "remaining_concurrency": concurrency,
-                "remaining_tokens": tokens, "estimated_ttft_ms": best_ttft, "at_ms": self.now,
-                "journal_offset": self.offset}
+        return routable, concurrency, tokens, best_ttft
 
     def models(self) -> list[str]:
         return sorted(m for m, ids in self.by_model.items() if ids)

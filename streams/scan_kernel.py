@@ -20,9 +20,10 @@ from .candidates import (B_DECPOS, B_EFFRING, B_GATEOWN, B_GATEPUB, B_GATESELF, 
                          B_KVS, B_LM, B_LMFFL, B_LMFFLOK, B_LMUNL, B_NOBC, B_OKSTATE, B_PFRING,
                          B_PREPUB, B_TL, B_VISION, F_CPEN, F_EFF, F_FB_PF, F_HEALTH, F_KQ, F_LM_B,
                          F_LM_L, F_LM_SIZE, F_LM_TOTAL, F_PEN, F_PF, F_PFT, F_PROJ, F_SOLO_STATIC,
-                         F_SPF, F_STATIC_EFF, I_ACCT, I_BASE, I_BLNUM, I_BLPEND, I_BLPOT, I_BLWAIT,
+                         F_SPF, F_STATIC_EFF, I_ACCT, I_BASE, I_BLNUM, I_BMAX, I_BLPEND, I_BLPOT, I_BLWAIT,
                          I_BOXMAX, I_CAP, I_CLS, I_EQ, I_FAM, I_FBSRC, I_GIDX, I_LOAD, I_RATE, I_SRC,
                          I_THR, I_VER, I_W, NB, NF, NI)
+from .candidates import BIG
 from .estimates import PENDING_MS
 
 
@@ -307,6 +308,54 @@ def refresh_cap(F, I, B, has_rate, rates, dedicated, fallback, floor, k, overcom
     return True
 
 
+@njit(cache=True, error_model="numpy", nogil=True)
+def capacity(F, I, B, medians, ratios, npend_all, pool_all, pooled_all, P, calibrate, raw, ttft_out):
+    """The capacity feed of the index's model (domain §2.10.7; `Router.capacity`'s loop, with the
+    TTFT of a `P`-token prompt computed as for a decision): (routable providers, remaining
+    concurrency, remaining tokens, best estimated TTFT). Routable providers come back as -1 when a
+    value is beyond what int64 holds exactly (a clipped pool, a sum past 2^62; the scalar loop
+    decides) or a byte-mode rate is 0 (the scalar loop raises, as before)."""
+    eff = decode_rates(F, I, B, medians)
+    ttft(F, I, B, eff, ratios, P, calibrate, raw, ttft_out)
+    routable = concurrency = tokens = 0
+    best = 0.0
+    for i in range(F.shape[1]):
+        # the public gates and a usable slot state (B_PREPUB); not thermally critical (neither flag)
+        if not B[B_PREPUB, i] or not (B[B_TL, i] or B[B_KVS, i]):
+            continue
+        g = I[I_GIDX, i]
+        npend = npend_all[g]
+        remaining = -1  # pooledRemainingTokens: -1 when the box reports no pool
+        if pooled_all[g]:
+            pool, rate = pool_all[g], I[I_RATE, i]
+            if pool >= BIG or rate <= 0:
+                return -1, 0, 0, 0.0
+            remaining = max(0, pool) // rate
+        bmax, used = I[I_BMAX, i], I[I_BLNUM, i]  # a budget slot's max and used + queued
+        if (bmax > 0 and used >= bmax) or remaining == 0:
+            continue
+        cap, boxmax = I[I_CAP, i], I[I_BOXMAX, i]
+        load = I[I_LOAD, i] if B[B_HASMC, i] else npend
+        if not (load < cap and npend < boxmax):
+            continue
+        routable += 1
+        concurrency += max(0, min(cap - load, boxmax - npend))
+        add = 0
+        if bmax > 0:
+            head = max(0, bmax - used)
+            add = min(head, remaining) if remaining >= 0 else head
+        elif remaining > 0:
+            add = remaining
+        if tokens > BIG - add:
+            return -1, 0, 0, 0.0
+        tokens += add
+        if B[B_HASBC, i]:
+            t = ttft_out[i]
+            if t > 0 and (best == 0.0 or t < best):
+                best = t
+    return routable, concurrency, tokens, best
+
+
 def warm_up() -> None:
     """Compile (or load from numba's cache) every loop for the column types the fast path uses,
     so a worker's first decision does not wait for it (≈ 2.5 s without a cache, 0.3 s with)."""
@@ -317,3 +366,4 @@ def warm_up() -> None:
     narrow_and_cheapest(mask, mask, True, 0, 1.0, F, I, x, one, 3000.0, mask, one)
     refresh_prefill(F, I, B, np.ones(1), one, 5, 20000.0, 1)
     refresh_cap(F, I, B, mask, np.ones(1), False, 4.0, 15.0, 1.0, 1.0)
+    capacity(F, I, B, x, np.ones((1, 4)), one, one, mask, 500, True, x, x)

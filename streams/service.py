@@ -791,8 +791,7 @@ async def publish_capacity() -> None:
     if not active.applying:
         return
     for model in router.models():
-        await asyncio.sleep(0)  # one model at a time: a big fleet's feed takes tens of ms
-        feed = router.capacity(model)
+        feed = router.capacity(model)  # one compiled pass over the model's candidate index
         same = {k: v for k, v in feed.items() if k not in ("at_ms", "journal_offset")}
         if last_capacity.get(model) != same:
             last_capacity[model] = same

@@ -8,8 +8,10 @@ Columns:
   (every model decided once before timing; that first decision builds the model's candidate index,
   reported as "index build ms" for all models together);
 - scalar: the same with `Router(fast=False)` (the reference scan `explain` uses), fewer reps;
-- heartbeat: one sequenced heartbeat apply whose load differs from the provider's last report
-  (its rows are rebuilt in every index); "hb same": the report repeated (rows kept);
+- heartbeat: one sequenced heartbeat apply whose load differs from the provider's last report,
+  with the rebuild of its rows (marked stale by the heartbeat, rebuilt when their index is next
+  read: every index is read at the end of the timed loop, each provider beats once in it);
+  "hb same": the report repeated (rows kept);
 - hb+decide: a heartbeat to a provider of the model, then decide+release (ring medians move, so
   the index refreshes ring-dependent columns first);
 - feed ms: one capacity feed (`Router.capacity` for every model, from the candidate indexes),
@@ -127,11 +129,15 @@ def bench(n, models, per_box, reps, scalar_reps):
     t0 = time.process_time()
     for i in range(hb_reps):
         d.beat(i % n)
+    for model in names:
+        r.fast.index(model)
     hb = (time.process_time() - t0) / hb_reps * 1e6
     gc.collect()
     t0 = time.process_time()
     for i in range(hb_reps):
         d.beat(i % n, change=False)
+    for model in names:
+        r.fast.index(model)
     hb_same = (time.process_time() - t0) / hb_reps * 1e6
     # heartbeat + decide + release, interleaved
     gc.collect()

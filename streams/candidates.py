@@ -90,7 +90,7 @@ class ModelIndex:
                  "fam_codes", "fams", "cls_codes", "classes", "ver_codes", "acct_codes",
                  "seen_decode", "seen_prefill", "seen_solo", "seen_calib", "ratio_table",
                  "decode_medians",
-                 "floor", "pattern", "solo_rates", "solo_rates_version", "out")
+                 "floor", "pattern", "solo_rates", "solo_rates_version", "out", "stale")
 
     def __init__(self, model: str):
         self.model = model
@@ -118,6 +118,9 @@ class ModelIndex:
         self.solo_rates: dict[str, float | None] = {}  # chip class -> class_solo_tps, for row builds
         self.solo_rates_version = -1
         self.out = _scan_buffers(0)
+        # providers whose rows changed since the index was last read: rebuilt then, once however
+        # many heartbeats came in between (a dict: rebuilt in a deterministic order)
+        self.stale: dict[str, None] = {}
 
     @staticmethod
     def code(table: dict, names: list | None, key: str) -> int:
@@ -207,13 +210,17 @@ class FastPath:
         self.pool = np.full(cap, BIG, dtype=np.int64)
         self.pooled = np.zeros(cap, dtype=bool)  # per slot: the box reports a KV pool (pool.total > 0)
         self.byte = [False] * cap  # per slot: pooled budget counted in bytes (not read by the kernels)
+        # provider id -> its `_provider_view`, shared by its rows in every index until it changes
+        self.views: dict[str, tuple] = {}
 
     # === maintenance ============================================================================
     def reset(self) -> None:
         """Config changed: every index is rebuilt on its model's next decision."""
         self.indexes.clear()
+        self.views.clear()
 
     def provider_added(self, p) -> None:
+        self.views.pop(p.provider_id, None)
         if self.free:
             g = self.free.pop()
         else:
@@ -232,6 +239,7 @@ class FastPath:
                 ix.layout_dirty = True
 
     def provider_removed(self, p) -> None:
+        self.views.pop(p.provider_id, None)
         g = self.gidx.pop(p.provider_id, None)
         if g is not None:
             self.free.append(g)
@@ -246,7 +254,7 @@ class FastPath:
         return (p.backend, p.status, p.thermal, p.memory_pressure, p.cpu_usage)
 
     def provider_changed(self, p, before: tuple | None = None) -> None:
-        """A heartbeat changed the provider's state: rebuild its rows — only those whose inputs
+        """A heartbeat changed the provider's state: its rows are stale — only those whose inputs
         changed when `before` (a `snapshot`) is given. Ring- and calibrator-derived columns are
         refreshed per index anyway, so a row whose slot and box-level inputs are unchanged stays."""
         g = self.gidx.get(p.provider_id)
@@ -268,7 +276,7 @@ class FastPath:
                 old = b_old
                 if b_old is None:
                     return  # legacy before and after, same metrics: nothing a row reads changed
-        self._rebuild_provider_rows(p, old)
+        self._mark_stale(p, old)
 
     def pending_changed(self, p, model: str) -> None:
         """A reservation was added to or removed from the provider (for `model`)."""
@@ -276,7 +284,7 @@ class FastPath:
         if g is None:
             return
         if self._provider_cells(p, g):  # byte/token accounting flipped: every row's rate changes
-            self._rebuild_provider_rows(p)
+            self._mark_stale(p)
             return
         ix = self.indexes.get(model)
         if ix is None or ix.broken:  # a dirty layout is still the current one
@@ -330,22 +338,31 @@ class FastPath:
         self.byte[g] = byte
         return flipped
 
-    def _rebuild_provider_rows(self, p, old_backend=None) -> None:
-        """Rebuild p's rows; with `old_backend` (same box-level inputs), only rows whose slot changed."""
-        pv = None
+    def _mark_stale(self, p, old_backend=None) -> None:
+        """p's rows are to be rebuilt when their index is next read; with `old_backend` (same
+        box-level inputs), only the rows whose slot changed. A heartbeat backlog, or a model
+        nobody asks for, costs a row rebuild per read of the index, not per heartbeat."""
+        self.views.pop(p.provider_id, None)
         new_slots = p.backend.by_model if p.backend is not None else None
         for model in p.models:
             ix = self.indexes.get(model)
-            if ix is None or ix.broken:  # a dirty layout is still the current one
-                continue
-            i = ix.row_of.get(p.provider_id)
-            if i is None or ix.provs[i] is not p:
+            if ix is None or ix.broken:
                 continue
             if old_backend is not None and old_backend.by_model.get(model) == new_slots.get(model):
                 continue
-            if pv is None:
-                pv = self._provider_view(p)
-            self._write_row(ix, i, p, pv)
+            ix.stale[p.provider_id] = None
+
+    def _rebuild_stale(self, ix: ModelIndex) -> None:
+        providers, views = self.router.providers, self.views
+        for pid in ix.stale:
+            i = ix.row_of.get(pid)
+            p = providers.get(pid)
+            if i is not None and ix.provs[i] is p:
+                pv = views.get(pid)
+                if pv is None:
+                    pv = views[pid] = self._provider_view(p)
+                self._write_row(ix, i, p, pv)
+        ix.stale.clear()
 
     # --- rows -------------------------------------------------------------------------------------
     def _provider_view(self, p) -> tuple:
@@ -465,8 +482,10 @@ class FastPath:
             return None
         if ix.layout_dirty:
             self._relayout(ix)
-            if ix.broken:
-                return None
+        if ix.stale and not ix.broken:
+            self._rebuild_stale(ix)
+        if ix.broken:
+            return None
         self._refresh(ix)
         return None if ix.broken else ix
 

@@ -230,7 +230,9 @@ def run_both(lines: list[dict]) -> tuple[Router, Router]:
         got = fast.apply(offset, None, kind, dict(record))
         want = scalar.apply(offset, None, kind, dict(record))
         assert got == want, f"line {offset} ({kind}): fast {got!r} != scalar {want!r}"
-        for model in MODELS:  # the capacity feed, from the index vs the loop (and no effect on decisions)
+        # the capacity feed, from the index vs the loop, and no effect on decisions; not after
+        # every line, so that several heartbeats' rows are rebuilt at the next read of an index
+        for model in MODELS if offset % 4 == 3 else ():
             got, want = fast.capacity(model), scalar.capacity(model)
             assert got == want, f"line {offset}: capacity of {model}: fast {got!r} != scalar {want!r}"
     assert fast.counters == scalar.counters
@@ -251,7 +253,7 @@ def test_fast_path_serves_most_decisions_on_a_long_journal():
     """A longer run over a bigger fleet: identical outputs, and the fast path did the deciding."""
     fast, _ = run_both(journal(7, 40, 1500))
     stats = fast.fast.stats
-    assert stats["scans"] > 500 and stats["capacity"] > 1000
+    assert stats["scans"] > 500 and stats["capacity"] > 500
     assert stats["declined_index"] == 0 and stats["declined_cost"] == 0
 
 

@@ -791,7 +791,10 @@ async def publish_capacity() -> None:
     if not active.applying:
         return
     for model in router.models():
-        feed = router.capacity(model)  # one compiled pass over the model's candidate index
+        # one compiled pass over the model's candidate index, after rebuilding the rows that
+        # heartbeats made stale since its last read (up to a second's worth): one model at a time
+        await asyncio.sleep(0)
+        feed = router.capacity(model)
         same = {k: v for k, v in feed.items() if k not in ("at_ms", "journal_offset")}
         if last_capacity.get(model) != same:
             last_capacity[model] = same

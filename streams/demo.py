@@ -28,10 +28,8 @@ import argparse
 import sys
 
 from .sim import presets
-from .sim.live import LiveOptions, LiveRun, build_report, main_live, write_report  # noqa: F401 (re-exported)
+from .sim.live import LiveOptions, main_live
 from .sim.scenario import resolve
-
-Demo = LiveRun  # the demo's engine
 
 
 def parse_args(argv=None):

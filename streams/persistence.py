@@ -4,14 +4,16 @@ The router marks the keys an entry changed (`Router.take_dirty`); `export` turns
 values (None = delete); `restore` rebuilds a Router from every stored pair. One journal entry writes
 a few keys: `meta` (time, offset, config, counters), the providers it touched (`p`, the heartbeat's
 view; `pd`, the reservations, which every request and completion changes), the ring windows it
-fed, the newest piece of a dedup window, and — for a decision — the serve counter, calibrator
-prediction, affinity entry and queue of the model. Derived structures (per-model candidate lists,
-the fast path's columns, reservation owners, pools) are rebuilt on restore, not stored.
+fed, the newest piece of a dedup window, and — for a decision — the serve counter, the newest piece
+of the calibrator's predictions, the affinity entry and the queue of the model. Derived structures
+(per-model candidate lists, the fast path's columns, reservation owners, pools) are rebuilt on
+restore, not stored.
 
 The dedup windows (event ids, request ids) are stored in pieces by insertion sequence number
 (`eb`, `rqb`: the ids numbered in [n·DEDUP_BUCKET, (n+1)·DEDUP_BUCKET)): an id in its own key was
 written once in a delta, once in a checkpoint, once as a deletion marker when the window dropped
 it, and removed — four table writes per request and per completion, for keys read only on restore.
+The calibrator's pending predictions are stored the same way (`cpb`, by `calibration.PIECE`).
 
 Order-sensitive maps (liveness, dedup windows, affinity, calibrator predictions) store the sequence
 number of their last insertion, so a restored router evicts and expires in exactly the same order.
@@ -22,7 +24,7 @@ from collections import Counter, OrderedDict, deque
 from operator import attrgetter
 from typing import Any, Iterable
 
-from .calibration import CHUNK, WINDOW
+from .calibration import CHUNK, PIECE, WINDOW
 from .config import Config
 from .provider import Backend, ModelEntry, Pool, ProviderState, Slot
 from .rings import SampleRing
@@ -49,19 +51,25 @@ def export(router, keys: Iterable[str]) -> dict[str, Any]:
     out, pieces = {}, {}
     for k in keys:
         kind, _, rest = k.partition(SEP)
-        if kind in WINDOWS:
+        if kind in WINDOWS or kind == "cpb":
             pieces.setdefault(kind, {})[int(rest)] = k
         else:
             out[k] = export_key(router, k)
     for kind, wanted in pieces.items():
+        if kind == "cpb":
+            cal = router.calibrator  # its seq map holds the predictions in insertion order
+            for n, entries in _window_pieces(cal.seq, wanted, PIECE).items():
+                out[wanted[n]] = [[*k, *cal.predictions[k], seq] for k, seq in entries] or None
+            continue
         window = getattr(router, WINDOWS[kind])
         for n, entries in _window_pieces(window, wanted).items():
             out[wanted[n]] = [[*k, seq] if isinstance(k, tuple) else [k, seq] for k, seq in entries] or None
     return out
 
 
-def _window_pieces(window: OrderedDict, wanted) -> dict[int, list]:
-    """The entries (id, seq) of the pieces `wanted` of a dedup window. Its order is insertion order,
+def _window_pieces(window: dict, wanted, size: int = DEDUP_BUCKET) -> dict[int, list]:
+    """The entries (id, seq) of the pieces `wanted` of a window (a dedup window, the calibrator's
+    predictions: id -> seq, `size` seqs per piece). Its order is insertion order,
     so its sequence numbers ascend, and each piece is read from the nearer end of the window: a
     save asks for the newest pieces (and the oldest, when the window is full), so it reads about
     as many entries as those pieces hold, not the window (100,000 ids)."""
@@ -71,23 +79,23 @@ def _window_pieces(window: OrderedDict, wanted) -> dict[int, list]:
     oldest, newest = next(iter(window.values())), next(reversed(window.values()))
     newer, older = [], []
     for n in wanted:
-        (newer if newest - n * DEDUP_BUCKET <= (n + 1) * DEDUP_BUCKET - oldest else older).append(n)
+        (newer if newest - n * size <= (n + 1) * size - oldest else older).append(n)
     if newer:
-        stop = min(newer) * DEDUP_BUCKET
+        stop = min(newer) * size
         for k, seq in reversed(window.items()):
             if seq < stop:
                 break
-            found = out.get(seq // DEDUP_BUCKET)
+            found = out.get(seq // size)
             if found is not None:
                 found.append((k, seq))
         for n in newer:
             out[n].reverse()
     if older:
-        stop = (max(older) + 1) * DEDUP_BUCKET
+        stop = (max(older) + 1) * size
         for k, seq in window.items():
             if seq >= stop:
                 break
-            found = out.get(seq // DEDUP_BUCKET)
+            found = out.get(seq // size)
             if found is not None:
                 found.append((k, seq))
     return out
@@ -118,9 +126,6 @@ def export_key(router, k: str) -> Any:
         base = router.calibrator.recorded[(kind, *ring_key)] - len(ring)  # number of the oldest sample
         lo, hi = max(0, int(piece) * CHUNK - base), (int(piece) + 1) * CHUNK - base
         return ring.samples()[lo:hi] if hi > lo else None
-    if kind == "cp":
-        note = router.calibrator.predictions.get((rest[0], int(rest[1])))
-        return None if note is None else [*note, router.calibrator.seq.get((rest[0], int(rest[1])), 0)]
     if kind == "s":
         entry = router.serves.entries.get(rest[0])
         return None if entry is None else list(entry)
@@ -130,9 +135,9 @@ def export_key(router, k: str) -> Any:
     if kind == "q":
         q = router.queues.get(rest[0])
         return [[_request(item.request), item.enqueued_at_ms] for item in q] if q else None
-    if kind in WINDOWS:
+    if kind in WINDOWS or kind == "cpb":
         return export(router, [k])[k]
-    if kind in ("e", "rq"):  # an id in its own key (before the pieces): moved into its piece on load
+    if kind in ("e", "rq", "cp"):  # an id in its own key (before the pieces): moved into its piece on load
         return None
     raise KeyError(k)
 
@@ -172,7 +177,7 @@ def all_keys(router) -> list[str]:
         for k, ring in table.items():
             total = router.calibrator.recorded[(kind, *k)]
             keys += [key(kind, *k, piece) for piece in range((total - len(ring)) // CHUNK, (total - 1) // CHUNK + 1)]
-    keys += [key("cp", *k) for k in router.calibrator.predictions]
+    keys += [key("cpb", n) for n in sorted({seq // PIECE for seq in router.calibrator.seq.values()})]
     keys += [key("s", pid) for pid in router.serves.entries]
     keys += [key("a", *k) for k in router.affinity]
     keys += [key("q", m) for m, q in router.queues.items() if q]
@@ -207,8 +212,11 @@ def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
         elif kind in ("cw", "cm"):
             *ring_key, piece = rest
             pieces.setdefault((kind, *ring_key), {})[int(piece)] = v
-        elif kind == "cp":
+        elif kind == "cpb":
+            predictions += [(seq, (rid, attempt), tuple(note)) for rid, attempt, *note, seq in v]
+        elif kind == "cp":  # saved before the predictions were stored in pieces
             predictions.append((v[-1], (rest[0], int(rest[1])), tuple(v[:-1])))
+            legacy.append(("cp", rest[0], rest[1]))
         elif kind == "s":
             router.serves.entries[rest[0]] = tuple(v)
         elif kind == "a":
@@ -248,6 +256,7 @@ def restore(items: Iterable[tuple[str, Any]], fast: bool = True):
         router.dirty.update(legacy)
         router.dirty.update(("eb", seq // DEDUP_BUCKET) for seq, _ in events)
         router.dirty.update(("rqb", seq // DEDUP_BUCKET) for seq, _ in requests)
+        router.dirty.update(("cpb", seq // PIECE) for seq, _, _ in predictions)
     return router
 
 

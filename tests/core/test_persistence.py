@@ -185,6 +185,62 @@ def test_ids_saved_in_their_own_keys_still_restore_and_move_into_pieces():
     assert snapshot(restore(table.items())) == snapshot(router)
 
 
+def test_predictions_are_stored_in_pieces_that_restore_them_while_they_come_and_go(monkeypatch):
+    """TTFT predictions wait for their completions in pieces of calibration.PIECE sequence numbers
+    (`cpb`), not one key per request (which cost every request a write in its decision's delta, in
+    its completion's, a checkpoint's deletion marker and the marker's removal). Noted, observed in
+    any order, some never and evicted when too many wait: a table saved after each step restores
+    the predictions exactly and in order, and holds exactly the pieces that still have one."""
+    import random
+
+    from streams import calibration
+    monkeypatch.setattr(calibration, "MAX_PREDICTIONS", 40)
+    router, table = Router(), {}
+    router.apply(0, 1000, "Tick", {"at_ms": 1000})
+    save(router, table)
+    rng, waiting, seq = random.Random(3), [], 0
+    for n in range(900):
+        seq += rng.randint(1, 7)
+        key = (f"r{n}", n % 3)
+        router.calibrator.note_prediction(key, f"m{n % 2}", "M4", "static", 1000.0 + n, float(n), seq)
+        waiting.append(key)
+        while waiting and rng.random() < 0.45:  # completions, mostly of the older predictions
+            done = waiting.pop(min(len(waiting) - 1, int(rng.expovariate(0.3))))
+            router.calibrator.observe(done, 800.0, float(n))
+        save(router, table)
+        if n % 50 == 0 or n == 899:
+            restored = restore(table.items())
+            assert list(restored.calibrator.predictions.items()) == list(router.calibrator.predictions.items())
+            assert list(restored.calibrator.seq.items()) == list(router.calibrator.seq.items())
+            assert snapshot(restored) == snapshot(router)
+    assert len(router.calibrator.predictions) == 40  # evictions happened
+    pieces = {k for k in table if k.startswith("cpb" + SEP)}
+    assert pieces == {f"cpb{SEP}{s // calibration.PIECE}" for s in router.calibrator.seq.values()}
+    assert len(pieces) < 40 and not [k for k in table if k.startswith("cp" + SEP)]
+
+
+def test_predictions_saved_in_their_own_keys_still_restore_and_move_into_pieces():
+    """State saved before the predictions were stored in pieces (`cp<SEP>request<SEP>attempt`)
+    restores the same predictions, and the next save moves them into pieces, deleting the old keys."""
+    items = list(entries(journal(7, 10, 200)))
+    router = Router()
+    for offset, kind, record in items:
+        router.apply(offset, None, kind, dict(record))
+    for n in range(30):  # predictions still waiting for their completions
+        router.calibrator.note_prediction((f"w{n}", 0), "m", "M4", "static", 900.0, 1.0, router.seq + 2 * n)
+    router.take_dirty()
+    table = json.loads(json.dumps(snapshot(router)))
+    for k in [k for k in table if k.startswith("cpb" + SEP)]:
+        for rid, attempt, *note in table.pop(k):
+            table[SEP.join(["cp", rid, str(attempt)])] = note
+    assert sum(k.startswith("cp" + SEP) for k in table) >= 30
+    restored = restore(table.items())
+    assert snapshot(restored) == snapshot(router)
+    save(restored, table)
+    assert not [k for k in table if k.startswith("cp" + SEP)]
+    assert snapshot(restore(table.items())) == snapshot(router)
+
+
 @settings(max_examples=200, deadline=None, derandomize=True)
 @given(gaps=st.lists(st.integers(1, 12), min_size=0, max_size=300), start=st.integers(0, 200),
        wanted=st.sets(st.integers(0, 60), max_size=12))

@@ -16,14 +16,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .candidates import (B_DECPOS, B_EFFRING, B_GATEOWN, B_GATEPUB, B_GATESELF, B_HASBC, B_HASMC,
+from .candidates import (BIG, B_DECPOS, B_EFFRING, B_GATEOWN, B_GATEPUB, B_GATESELF, B_HASBC, B_HASMC,
                          B_KVS, B_LM, B_LMFFL, B_LMFFLOK, B_LMUNL, B_NOBC, B_OKSTATE, B_PFRING,
                          B_PREPUB, B_TL, B_VISION, F_CPEN, F_EFF, F_FB_PF, F_HEALTH, F_KQ, F_LM_B,
                          F_LM_L, F_LM_SIZE, F_LM_TOTAL, F_PEN, F_PF, F_PFT, F_PROJ, F_SOLO_STATIC,
                          F_SPF, F_STATIC_EFF, I_ACCT, I_BASE, I_BLNUM, I_BMAX, I_BLPEND, I_BLPOT, I_BLWAIT,
                          I_BOXMAX, I_CAP, I_CLS, I_EQ, I_FAM, I_FBSRC, I_GIDX, I_LOAD, I_RATE, I_SRC,
                          I_THR, I_VER, I_W, NB, NF, NI)
-from .candidates import BIG
 from .estimates import PENDING_MS
 
 

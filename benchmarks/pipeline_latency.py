@@ -739,32 +739,19 @@ def main(argv=None) -> int:
                                   + ([pipeF_journal] if "pipeline_fleet" in systems else [])
                                   + [t for s in fleet_inputs if s in systems for t in fleet_inputs[s]]
                                   + ([sy_prefix + t for t in WORKER_OUTPUT_TOPICS] if "switchyard" in systems else [])))
-        if "echo" in systems:
-            children["echo"] = Child("benchmarks.echo_baselines", [
-                "echo", "--bootstrap", bootstrap, "--requests", topics["echo"][0],
-                "--replies", topics["echo"][1]], rundir / "echo.log").start()
-        if "echo_librdkafka" in systems:
-            children["echo_librdkafka"] = Child("benchmarks.echo_baselines", [
-                "echo_librdkafka", "--bootstrap", bootstrap, "--requests", topics["echo_librdkafka"][0],
-                "--replies", topics["echo_librdkafka"][1]], rundir / "echo_librdkafka.log").start()
-        if "pipeline" in systems:
-            children["pipeline"] = Child("benchmarks.echo_baselines", [
-                "pipeline", "--bootstrap", bootstrap, "--requests", topics["pipeline"][0],
-                "--journal", pipe_journal, "--replies", topics["pipeline"][1]], rundir / "pipeline.log").start()
-        if "pipeline_shared" in systems:
-            children["pipeline_shared"] = Child("benchmarks.echo_baselines", [
-                "pipeline", "--shared-consumer", "--bootstrap", bootstrap, "--requests", topics["pipeline_shared"][0],
-                "--journal", pipe1_journal, "--replies", topics["pipeline_shared"][1]],
-                rundir / "pipeline_shared.log").start()
-        if "echo_fleet" in systems:
-            children["echo_fleet"] = Child("benchmarks.echo_baselines", [
-                "echo", "--bootstrap", bootstrap, "--requests", topics["echo_fleet"][0],
-                "--replies", topics["echo_fleet"][1]], rundir / "echo_fleet.log").start()
-        if "pipeline_fleet" in systems:
-            children["pipeline_fleet"] = Child("benchmarks.echo_baselines", [
-                "pipeline", "--bootstrap", bootstrap, "--requests", topics["pipeline_fleet"][0],
-                "--inputs", ",".join(fleet_inputs["pipeline_fleet"]), "--journal", pipeF_journal,
-                "--replies", topics["pipeline_fleet"][1]], rundir / "pipeline_fleet.log").start()
+        # each baseline: echo_baselines' mode and options (the topics are added below)
+        baselines = {
+            "echo": ["echo"], "echo_librdkafka": ["echo_librdkafka"], "echo_fleet": ["echo"],
+            "pipeline": ["pipeline", "--journal", pipe_journal],
+            "pipeline_shared": ["pipeline", "--shared-consumer", "--journal", pipe1_journal],
+            "pipeline_fleet": ["pipeline", "--inputs", ",".join(fleet_inputs["pipeline_fleet"]),
+                               "--journal", pipeF_journal],
+        }
+        for system, options in baselines.items():
+            if system in systems:
+                children[system] = Child("benchmarks.echo_baselines", [
+                    *options, "--bootstrap", bootstrap, "--requests", topics[system][0],
+                    "--replies", topics[system][1]], rundir / f"{system}.log").start()
 
         def start_fleet(system: str) -> None:
             fleets[system] = Child("benchmarks.pipeline_latency", [

@@ -40,6 +40,7 @@ RING_FAMILIES = ("decode", "solo", "prefill")
 _provider_values, _slot_values = attrgetter(*PROVIDER_FIELDS), attrgetter(*SLOT_FIELDS)
 DEDUP_BUCKET = 64  # sequence numbers per stored piece of a dedup window (~20 ids at 1000 requests/s)
 WINDOWS = {"eb": "seen_events", "rqb": "seen_requests"}  # piece kind -> the router's window
+PIECED = {*WINDOWS, "cpb"}  # kinds stored in pieces of sequence numbers (`_pieced`)
 
 
 def key(*parts) -> str:
@@ -51,20 +52,25 @@ def export(router, keys: Iterable[str]) -> dict[str, Any]:
     out, pieces = {}, {}
     for k in keys:
         kind, _, rest = k.partition(SEP)
-        if kind in WINDOWS or kind == "cpb":
+        if kind in PIECED:
             pieces.setdefault(kind, {})[int(rest)] = k
         else:
             out[k] = export_key(router, k)
     for kind, wanted in pieces.items():
-        if kind == "cpb":
-            cal = router.calibrator  # its seq map holds the predictions in insertion order
-            for n, entries in _window_pieces(cal.seq, wanted, PIECE).items():
-                out[wanted[n]] = [[*k, *cal.predictions[k], seq] for k, seq in entries] or None
-            continue
-        window = getattr(router, WINDOWS[kind])
-        for n, entries in _window_pieces(window, wanted).items():
-            out[wanted[n]] = [[*k, seq] if isinstance(k, tuple) else [k, seq] for k, seq in entries] or None
+        window, size, stored = _pieced(router, kind)
+        for n, entries in _window_pieces(window, wanted, size).items():
+            out[wanted[n]] = [stored(k, seq) for k, seq in entries] or None
     return out
+
+
+def _pieced(router, kind: str):
+    """(its id -> seq map in insertion order, seqs per piece, an entry's stored form) of a kind
+    stored in pieces."""
+    if kind == "cpb":
+        cal = router.calibrator  # its seq map holds the predictions in insertion order
+        return cal.seq, PIECE, lambda k, seq: [*k, *cal.predictions[k], seq]
+    return getattr(router, WINDOWS[kind]), DEDUP_BUCKET, \
+        lambda k, seq: [*k, seq] if isinstance(k, tuple) else [k, seq]
 
 
 def _window_pieces(window: dict, wanted, size: int = DEDUP_BUCKET) -> dict[int, list]:
@@ -135,7 +141,7 @@ def export_key(router, k: str) -> Any:
     if kind == "q":
         q = router.queues.get(rest[0])
         return [[_request(item.request), item.enqueued_at_ms] for item in q] if q else None
-    if kind in WINDOWS or kind == "cpb":
+    if kind in PIECED:
         return export(router, [k])[k]
     if kind in ("e", "rq", "cp"):  # an id in its own key (before the pieces): moved into its piece on load
         return None

@@ -434,6 +434,11 @@ class LocalKafka:
             # incarnation's session expires: 9 s by default, which made restart() take ~14 s.
             "broker.heartbeat.interval.ms": "500",
             "broker.session.timeout.ms": "3000",
+            # This broker shares a small machine with its clients (tests, the demo, benchmarks): 2
+            # network and 2 request-handler threads, not 3 and 8 (with the parallel collector, see
+            # `_java_cmd`: 12-15 % less broker CPU and shorter hops; docs/benchmarks.md, "seventh").
+            "num.network.threads": "2",
+            "num.io.threads": "2",
         }
         if self.security is None:
             (d / "server.properties").write_text("".join(f"{k}={v}\n" for k, v in props.items()))
@@ -558,7 +563,8 @@ class LocalKafka:
             await admin.close()
 
     def _java_cmd(self, libs: Path, *args: str, heap: str | None = None) -> list[str]:
-        mem = [f"-Xmx{heap}", "-Xms256m"] if heap else []
+        # The broker itself (given a heap): the parallel collector, not G1 and its concurrent threads.
+        mem = [f"-Xmx{heap}", "-Xms256m", "-XX:+UseParallelGC"] if heap else []
         return [_java(), *mem, "-Djava.awt.headless=true",
                 f"-Dlog4j2.configurationFile={self.data_dir / 'log4j2.properties'}",
                 "-cp", f"{libs}/*", *args]

@@ -89,3 +89,24 @@ def test_restart_keeps_data_and_port():
         kafka.restart()
         assert kafka.bootstrap == bootstrap
         assert asyncio.run(consume(bootstrap, topic, 1)) == [b"before-restart"]
+
+
+def test_the_local_broker_is_sized_for_a_small_machine(kafka_broker):
+    """It shares two cores with its clients: 2 network and 2 request-handler threads (not Kafka's
+    3 and 8) and the parallel collector (not G1), which cut its CPU by 12-15 % (docs/benchmarks.md)."""
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    async def broker_config() -> dict[str, str]:
+        admin = AIOKafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
+        await admin.start()
+        try:
+            (response,) = await admin.describe_configs([ConfigResource(ConfigResourceType.BROKER, "1")])
+        finally:
+            await admin.close()
+        (resource,) = response.resources
+        return {entry[0]: entry[1] for entry in resource[4]}  # (name, value, ...) per config entry
+
+    config = asyncio.run(broker_config())
+    assert (config["num.network.threads"], config["num.io.threads"]) == ("2", "2")
+    with open(f"/proc/{kafka_broker.pid}/cmdline", "rb") as f:
+        assert b"-XX:+UseParallelGC" in f.read().split(b"\0")

@@ -7,6 +7,7 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from streams.broker import LocalKafka
 
@@ -94,8 +95,6 @@ def test_restart_keeps_data_and_port():
 def test_the_local_broker_is_sized_for_a_small_machine(kafka_broker):
     """It shares two cores with its clients: 2 network and 2 request-handler threads (not Kafka's
     3 and 8) and the parallel collector (not G1), which cut its CPU by 12-15 % (docs/benchmarks.md)."""
-    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-
     async def broker_config() -> dict[str, str]:
         admin = AIOKafkaAdminClient(bootstrap_servers=kafka_broker.bootstrap)
         await admin.start()

@@ -628,6 +628,43 @@ def report(results: list[dict], rates: list[float]) -> tuple[str, list[dict]]:
     return "\n".join(lines), ratios
 
 
+def summarise_rounds(results: list[dict], ratios: list[dict], rates: list[float]) -> tuple[str, list[dict]]:
+    """Medians over the rounds of each system's p50 and p99 and of the worker's per-round ratios,
+    and in how many rounds each goal was met: on a shared machine one round's verdict is a draw."""
+    lines = [f"over {len({r['round'] for r in results})} rounds (medians; goals: rounds met / rounds)"]
+    summary = []
+    for rate in rates:
+        rounds = [q for q in ratios if q["rate"] == rate]
+        for s in SYSTEMS:
+            mine = [r for r in results if r["rate"] == rate and r["system"] == s]
+            if mine:
+                lines.append(f"{rate:>7g} {s:<15} p50 {fmt(median([r['p50_ms'] for r in mine]), 2):>7} ms  "
+                             f"p99 {fmt(median([r['p99_ms'] for r in mine]), 2):>7} ms  "
+                             f"CPU {fmt(median([r['cpu'].get('system_cpu_ms_per_request') for r in mine]), 3)} "
+                             f"ms/request")
+        if not rounds:
+            continue
+        q = {"rate": rate, "rounds": len(rounds)}
+        for b in BASELINES:
+            for k in (f"p50_vs_{b}", f"p99_vs_{b}"):
+                q[k] = median([x[k] for x in rounds])
+        q["goals_met_in_rounds"] = {g: sum(x["goals"].get(g, False) for x in rounds) for g in rounds[0]["goals"]}
+        summary.append(q)
+        vs = ";  ".join(f"/{b} p50 {fmt(q[f'p50_vs_{b}'], 2)}x p99 {fmt(q[f'p99_vs_{b}'], 2)}x"
+                        for b in BASELINES if q[f"p50_vs_{b}"] is not None)
+        met = ", ".join(f"{g}: {n}/{len(rounds)}" for g, n in q["goals_met_in_rounds"].items())
+        lines.append(f"rate {rate:g}/s  switchyard {vs}\n    {met}")
+    return "\n".join(lines), summary
+
+
+def median(values: list) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return round(values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2, 3)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m benchmarks.pipeline_latency",
                                  description=__doc__.split("\n")[0])
@@ -648,6 +685,9 @@ def parse_args(argv=None):
     ap.add_argument("--seconds", type=float, default=15.0, help="measured seconds per rate and system (default 15)")
     ap.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds before each (default 3)")
     ap.add_argument("--drain", type=float, default=5.0, help="seconds to wait for the last replies (default 5)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the whole schedule (every rate, every system) this many times on the same "
+                         "broker, and report medians over the rounds too (default 1)")
     ap.add_argument("--broker-warmup", type=float, default=10.0,
                     help="seconds of echo load at the highest rate before anything is measured, so the "
                          "broker's JIT warm-up does not land in the first phase (default 10; 0: none)")
@@ -716,8 +756,8 @@ def main(argv=None) -> int:
                     for s in ("echo_fleet", "pipeline_fleet")}
     info = machine_info()
     info.update(run_id=run_id, rundir=str(rundir), settings={
-        k: getattr(args, k) for k in ("rates", "seconds", "warmup", "broker_warmup", "drain", "providers", "models", "per_box",
-                                      "heartbeat_s", "hold_ms", "seed", "worker_env")},
+        k: getattr(args, k) for k in ("rates", "seconds", "warmup", "broker_warmup", "rounds", "drain", "providers",
+                                      "models", "per_box", "heartbeat_s", "hold_ms", "seed", "worker_env")},
         pipeline_avro="decode on both stages, encode of the reply")
     models = model_names(args.models)
 
@@ -809,73 +849,77 @@ def main(argv=None) -> int:
             print(f"primed {system}: {primed['replies']}/{primed['requests']} replies, p50 "
                   f"{fmt(primed['p50_ms'], 1)} ms", flush=True)
 
-        for rate in rates:
-            for system in systems:
-                print(f"rate {rate:g}/s: {system} ({args.warmup:g}+{args.seconds:g} s) ...", flush=True)
-                before = parse_metrics(worker.metrics()) if system == "switchyard" else {}
-                journal_topic = {"pipeline": pipe_journal, "pipeline_shared": pipe1_journal,
-                                 "pipeline_fleet": pipeF_journal,
-                                 "switchyard": sy_prefix + "switchyard.journal"}.get(system)
-                jstart = asyncio.run(end_offset(bootstrap, journal_topic)) if journal_topic else None
-                spy = None
+        schedule = [(n, rate, system) for n in range(1, args.rounds + 1) for rate in rates for system in systems]
+        for round_no, rate, system in schedule:
+            print(f"{f'round {round_no}: ' if args.rounds > 1 else ''}rate {rate:g}/s: {system} "
+                  f"({args.warmup:g}+{args.seconds:g} s) ...", flush=True)
+            before = parse_metrics(worker.metrics()) if system == "switchyard" else {}
+            journal_topic = {"pipeline": pipe_journal, "pipeline_shared": pipe1_journal,
+                             "pipeline_fleet": pipeF_journal,
+                             "switchyard": sy_prefix + "switchyard.journal"}.get(system)
+            jstart = asyncio.run(end_offset(bootstrap, journal_topic)) if journal_topic else None
+            spy = None
+            spy_file = Path(args.py_spy or ".") / (f"worker-{int(rate)}"
+                                                   + (f"-r{round_no}.txt" if args.rounds > 1 else ".txt"))
+            if system in fleets:
+                os.kill(fleets[system].pid, signal.SIGUSR2)  # heartbeats on
+                time.sleep(1.0)
+            if system == "switchyard":
+                if args.py_spy:
+                    Path(args.py_spy).mkdir(parents=True, exist_ok=True)
+                    spy = subprocess.Popen(
+                        [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(worker.proc.pid),
+                         "-d", str(int(args.warmup + args.seconds)), "-r", "200", "-f", "raw", "--nonblocking",
+                         "--threads", "--idle" if args.py_spy_idle else "--gil",
+                         "-o", str(spy_file)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            pids = {"system": worker.proc.pid if system == "switchyard" else children[system].pid,
+                    "broker": broker.pid if broker is not None else None}
+            if system in fleets:
+                pids["fleet"] = fleets[system].pid
+            meter = CpuMeter(pids).start()
+            t_phase = time.monotonic()
+            try:
+                res, arrays = asyncio.run(drive(bootstrap, system, *topics[system], rate, args.warmup,
+                                                args.seconds, models, args.seed, args.drain))
+            finally:
                 if system in fleets:
-                    os.kill(fleets[system].pid, signal.SIGUSR2)  # heartbeats on
-                    time.sleep(1.0)
-                if system == "switchyard":
-                    if args.py_spy:
-                        Path(args.py_spy).mkdir(parents=True, exist_ok=True)
-                        spy = subprocess.Popen(
-                            [str(Path(sys.executable).parent / "py-spy"), "record", "-p", str(worker.proc.pid),
-                             "-d", str(int(args.warmup + args.seconds)), "-r", "200", "-f", "raw", "--nonblocking",
-                             "--threads", "--idle" if args.py_spy_idle else "--gil",
-                             "-o", str(Path(args.py_spy) / f"worker-{int(rate)}.txt")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                pids = {"system": worker.proc.pid if system == "switchyard" else children[system].pid,
-                        "broker": broker.pid if broker is not None else None}
-                if system in fleets:
-                    pids["fleet"] = fleets[system].pid
-                meter = CpuMeter(pids).start()
-                t_phase = time.monotonic()
-                try:
-                    res, arrays = asyncio.run(drive(bootstrap, system, *topics[system], rate, args.warmup,
-                                                    args.seconds, models, args.seed, args.drain))
-                finally:
-                    if system in fleets:
-                        os.kill(fleets[system].pid, signal.SIGUSR1)  # heartbeats off
-                    if spy is not None:
-                        spy.wait(60)
-                phase_s = time.monotonic() - t_phase
-                cpu = meter.stop()
-                sent = res["requests"] + int(round(rate * args.warmup))
-                if "system_cpu_s" in cpu:
-                    cpu["system_cpu_ms_per_request"] = round(1000 * cpu["system_cpu_s"] / sent, 3)
-                    cpu["system_cores"] = round(cpu["system_cpu_s"] / cpu["wall_s"], 2)
-                    cpu["system_sys_share"] = round(cpu["system_sys_cpu_s"] / cpu["system_cpu_s"], 2) \
-                        if cpu["system_cpu_s"] else None
-                res["cpu"] = cpu
+                    os.kill(fleets[system].pid, signal.SIGUSR1)  # heartbeats off
                 if spy is not None:
-                    res["profile"] = profile_summary(Path(args.py_spy) / f"worker-{int(rate)}.txt")
-                journal = None
-                if journal_topic:
-                    wanted = set(arrays["rids"][arrays["n_warm"]:])
-                    journal = asyncio.run(journal_times(bootstrap, journal_topic, jstart, wanted))
-                res["breakdown"] = breakdown(arrays, journal)
-                if system == "switchyard":
-                    after = parse_metrics(worker.metrics())
-                    applied = metric_delta(before, after, "switchyard_journal_entries_applied_total")
-                    res["worker"] = {
-                        "applied_per_s": {k: round(v / phase_s, 1) for k, v in applied.items()},
-                        "decisions": metric_delta(before, after, "switchyard_decisions_total"),
-                        "core_errors": metric_delta(before, after, "switchyard_core_errors_total"),
-                        "phase_seconds": round(phase_s, 1)}
-                    if not worker.running():
-                        raise RuntimeError("the worker died; see " + str(worker.log))
-                    res["worker"]["backlog_drain_s"] = round(wait_idle(worker), 1)
-                results.append(res)
-                print(f"  p50 {fmt(res['p50_ms'], 2)} ms, p99 {fmt(res['p99_ms'], 2)} ms, "
-                      f"achieved {fmt(res['achieved_rate'])}/s, lost {res['lost']}, outcomes {res['outcomes']}"
-                      + (f", worker applied/s {res['worker']['applied_per_s']}" if "worker" in res else "")
-                      + f"; cpu {res['cpu']}", flush=True)
+                    spy.wait(60)
+            phase_s = time.monotonic() - t_phase
+            cpu = meter.stop()
+            sent = res["requests"] + int(round(rate * args.warmup))
+            if "system_cpu_s" in cpu:
+                cpu["system_cpu_ms_per_request"] = round(1000 * cpu["system_cpu_s"] / sent, 3)
+                cpu["system_cores"] = round(cpu["system_cpu_s"] / cpu["wall_s"], 2)
+                cpu["system_sys_share"] = round(cpu["system_sys_cpu_s"] / cpu["system_cpu_s"], 2) \
+                    if cpu["system_cpu_s"] else None
+            res["cpu"] = cpu
+            if spy is not None:
+                res["profile"] = profile_summary(spy_file)
+            journal = None
+            if journal_topic:
+                wanted = set(arrays["rids"][arrays["n_warm"]:])
+                journal = asyncio.run(journal_times(bootstrap, journal_topic, jstart, wanted))
+            res["breakdown"] = breakdown(arrays, journal)
+            res["round"] = round_no
+            if system == "switchyard":
+                after = parse_metrics(worker.metrics())
+                applied = metric_delta(before, after, "switchyard_journal_entries_applied_total")
+                res["worker"] = {
+                    "applied_per_s": {k: round(v / phase_s, 1) for k, v in applied.items()},
+                    "decisions": metric_delta(before, after, "switchyard_decisions_total"),
+                    "core_errors": metric_delta(before, after, "switchyard_core_errors_total"),
+                    "phase_seconds": round(phase_s, 1)}
+                if not worker.running():
+                    raise RuntimeError("the worker died; see " + str(worker.log))
+                res["worker"]["backlog_drain_s"] = round(wait_idle(worker), 1)
+            results.append(res)
+            print(f"  p50 {fmt(res['p50_ms'], 2)} ms, p99 {fmt(res['p99_ms'], 2)} ms, "
+                  f"achieved {fmt(res['achieved_rate'])}/s, lost {res['lost']}, outcomes {res['outcomes']}"
+                  + (f", worker applied/s {res['worker']['applied_per_s']}" if "worker" in res else "")
+                  + f"; cpu {res['cpu']}", flush=True)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130
@@ -894,11 +938,20 @@ def main(argv=None) -> int:
             broker.stop()
         info["loadavg_end"] = list(os.getloadavg())
     if results:
-        text, ratios = report(results, rates)
-        print("\n" + text)
+        texts, ratios = [], []
+        for n in range(1, args.rounds + 1):
+            text, round_ratios = report([r for r in results if r["round"] == n], rates)
+            texts.append((f"round {n}\n" if args.rounds > 1 else "") + text)
+            ratios += [dict(q, round=n) for q in round_ratios]
+        summary = None
+        if args.rounds > 1:
+            text, summary = summarise_rounds(results, ratios, rates)
+            texts.append(text)
+        print("\n" + "\n\n".join(texts))
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"info": info, "results": results, "ratios": ratios}, indent=2) + "\n")
+        out.write_text(json.dumps({"info": info, "results": results, "ratios": ratios, "summary": summary},
+                                  indent=2) + "\n")
         print(f"\nresults: {out}")
     return code
 

@@ -730,8 +730,8 @@ def main(argv=None) -> int:
     rates = [float(x) for x in args.rates.split(",") if x.strip()]
     systems = [s for s in args.systems.split(",") if s]
     unknown = set(systems) - set(SYSTEMS)
-    if unknown or not rates or min(rates) <= 0:
-        print(f"bad --systems {sorted(unknown)} or --rates", file=sys.stderr)
+    if unknown or not rates or min(rates) <= 0 or args.rounds < 1:
+        print(f"bad --systems {sorted(unknown)}, --rates or --rounds", file=sys.stderr)
         return 2
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     tag = run_id.replace("-", "")

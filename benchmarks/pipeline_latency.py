@@ -56,6 +56,7 @@ import os
 import platform
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -658,11 +659,8 @@ def summarise_rounds(results: list[dict], ratios: list[dict], rates: list[float]
 
 
 def median(values: list) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return round(values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2, 3)
+    values = [v for v in values if v is not None]
+    return round(statistics.median(values), 3) if values else None
 
 
 def parse_args(argv=None):
@@ -746,6 +744,7 @@ def main(argv=None) -> int:
         "pipeline_fleet": (base + "pipeF.requests", base + "pipeF.replies"),
         "switchyard": (base + "sy.switchyard.requests", base + "sy.bench.replies"),
     }
+    warm_topics = (base + "warm.requests", base + "warm.replies")  # the broker's warm-up echo
     pipe_journal = base + "pipe.journal"
     pipe1_journal = base + "pipe1.journal"
     pipeF_journal = base + "pipeF.journal"
@@ -779,6 +778,7 @@ def main(argv=None) -> int:
         # broker's auto-creation on first send, the first routed decision stalls the worker's
         # producer (seen once as a wedge: docs/benchmarks.md).
         asyncio.run(ensure_topics(bootstrap, [t for s in systems for t in topics[s]]
+                                  + (list(warm_topics) if args.broker_warmup > 0 else [])
                                   + ([pipe_journal] if "pipeline" in systems else [])
                                   + ([pipe1_journal] if "pipeline_shared" in systems else [])
                                   + ([pipeF_journal] if "pipeline_fleet" in systems else [])
@@ -822,8 +822,6 @@ def main(argv=None) -> int:
         # paths during the first seconds of load, and the first measured phase used to pay for it
         # (0.75-0.9 broker cores against 0.4-0.5 in later phases of the same run).
         if args.broker_warmup > 0:
-            warm_topics = (base + "warm.requests", base + "warm.replies")
-            asyncio.run(ensure_topics(bootstrap, list(warm_topics)))
             warm = Child("benchmarks.echo_baselines", ["echo", "--bootstrap", bootstrap, "--requests",
                          warm_topics[0], "--replies", warm_topics[1]], rundir / "broker-warmup.log").start()
             try:
@@ -859,8 +857,8 @@ def main(argv=None) -> int:
                              "switchyard": sy_prefix + "switchyard.journal"}.get(system)
             jstart = asyncio.run(end_offset(bootstrap, journal_topic)) if journal_topic else None
             spy = None
-            spy_file = Path(args.py_spy or ".") / (f"worker-{int(rate)}"
-                                                   + (f"-r{round_no}.txt" if args.rounds > 1 else ".txt"))
+            spy_file = Path(args.py_spy) / f"worker-{int(rate)}{f'-r{round_no}' if args.rounds > 1 else ''}.txt" \
+                if args.py_spy else None
             if system in fleets:
                 os.kill(fleets[system].pid, signal.SIGUSR2)  # heartbeats on
                 time.sleep(1.0)

@@ -3,7 +3,9 @@ aiokafka baselines measured in the same run (docs/benchmarks.md).
 
     .venv/bin/python -m benchmarks.pipeline_latency [--rates 200,1000] [--seconds 15] [--providers 1260]
 
-Five systems, one open-loop load driver (this process, asyncio + aiokafka):
+Five systems, one open-loop load driver (this process) and a fleet child (heartbeats, completions),
+both on librdkafka by default (``--load-client``, benchmarks/load.py: the load takes less of the
+two cores than on aiokafka; the systems under test are aiokafka either way):
 
 * ``echo`` — one hop: a child consumes the request topic and produces each value to the reply
   topic (`benchmarks.echo_baselines echo`);
@@ -25,7 +27,7 @@ Five systems, one open-loop load driver (this process, asyncio + aiokafka):
 
 Optional (``--systems``): ``pipeline_shared`` (the pipeline with one consumer for both stages) and
 ``echo_librdkafka`` (the echo on confluent-kafka: what a Kafka client in C costs a hop, next to
-aiokafka's; `pip install -e '.[bench]'`).
+aiokafka's).
 
 Before anything is measured, ``--broker-warmup`` seconds of echo load at the highest rate (own
 topics, own echo child) warm the broker's JIT, which the first measured phase used to pay for.
@@ -34,7 +36,7 @@ switchyard; each fleet child heartbeats only during its system's phase): ``--war
 load that are not counted, then ``--seconds`` measured. Each request is a RouteRequest
 (streams.codec, a random model of the fleet, key = request_id, reply_to = the benchmark's reply
 topic); the driver timestamps each send
-(perf_counter just before `producer.send`) and its reply consumer the receipt (once per fetched
+(perf_counter just before the client's send call) and its reply consumer the receipt (once per fetched
 batch, before decoding); latency = receipt − send, in the driver. Lost = measured requests without
 a reply ``--drain`` seconds after the last send. Achieved = measured sends / their time span.
 
@@ -50,27 +52,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
+import importlib.util
 import json
 import os
 import platform
-import random
 import signal
 import statistics
 import subprocess
 import sys
 import time
 import uuid
-import zlib
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.echo_baselines import CONSUMER_SETTINGS, PRODUCER_SETTINGS, Child, run_until_stopped  # noqa: E402
-from benchmarks.fleet import fleet_events, heartbeat, model_names, request  # noqa: E402
+from benchmarks.echo_baselines import CONSUMER_SETTINGS, Child  # noqa: E402
+from benchmarks.fleet import fleet_events, model_names  # noqa: E402
+from benchmarks.load import CLIENTS, drive, fleet_main, mean, pct, r3, wall_ms  # noqa: E402
 from streams import codec  # noqa: E402
 
 SYSTEMS = ("echo", "echo_librdkafka", "pipeline", "pipeline_shared", "echo_fleet", "pipeline_fleet", "switchyard")
@@ -81,27 +82,6 @@ WORKER_OUTPUT_TOPICS = ("switchyard.decisions", "switchyard.reservations", "swit
 GOAL_P50_VS_PIPELINE = 1.5
 GOAL_P50_VS_ECHO = 3.0
 GOAL_P99_MS = 25.0
-
-
-def wall_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def pct(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100) of a non-empty list; None when empty."""
-    if not values:
-        return None
-    s = sorted(values)
-    k = max(0, min(len(s) - 1, int(-(-q * len(s) // 100)) - 1))
-    return s[k]
-
-
-def mean(values: list[float]) -> float | None:
-    return sum(values) / len(values) if values else None
-
-
-def r3(v):
-    return None if v is None else round(v, 3)
 
 
 # === CPU accounting (Linux /proc) ====================================================================
@@ -203,226 +183,6 @@ def profile_summary(path: str | Path) -> dict:
                 break
         counts[cat] += n
     return {"samples": total, "shares": {k: round(v / total, 3) for k, v in counts.most_common()} if total else {}}
-
-
-# === the fleet child: heartbeats and completions ===================================================
-async def fleet_main(args) -> None:
-    """Heartbeat every provider every `interval` s, evenly spread; send a Completion `hold_ms` after
-    each routed decision on the reply topic (for a baseline, after each reply: the echoed request).
-    SIGUSR1 pauses the heartbeats, SIGUSR2 resumes them."""
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-
-    names = model_names(args.models)
-    fleet = [(f"p{i:05d}", i, [names[(i + j) % args.models] for j in range(args.per_box)])
-             for i in range(args.providers)]
-    by_model: dict[str, list[str]] = {}
-    for pid, _, mine in fleet:
-        for m in mine:
-            by_model.setdefault(m, []).append(pid)
-    providers_topic = args.prefix + "switchyard.providers"
-    completions_topic = args.prefix + "switchyard.completions"
-    producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap, client_id="bench-fleet", **PRODUCER_SETTINGS)
-    consumer = AIOKafkaConsumer(bootstrap_servers=args.bootstrap, client_id="bench-fleet-replies",
-                                **CONSUMER_SETTINGS)
-    await producer.start()
-    await consumer.start()
-    tp = TopicPartition(args.replies, 0)
-    consumer.assign([tp])
-    await consumer.seek_to_end(tp)
-    await consumer.position(tp)
-    stats = Counter()
-    active = asyncio.Event()
-    if not args.paused:
-        active.set()
-    loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGUSR1, active.clear)
-    loop.add_signal_handler(signal.SIGUSR2, active.set)
-
-    async def heartbeats() -> None:
-        period = args.interval / len(fleet)
-        k = 0
-        while True:
-            await active.wait()
-            t0, k0 = time.perf_counter(), k
-            while active.is_set():
-                due = k0 + int((time.perf_counter() - t0) / period) + 1
-                while k < due:
-                    pid, i, mine = fleet[k % len(fleet)]
-                    cycle = k // len(fleet)
-                    # seq from the wall clock: increasing across pauses and child restarts
-                    hb = heartbeat(pid, i, mine, wall_ms(), wall_ms(), shift=cycle + 1)
-                    hb["event_id"] = uuid.uuid4().hex
-                    await producer.send(providers_topic, value=codec.encode("Heartbeat", hb), key=pid.encode())
-                    stats["heartbeats"] += 1
-                    k += 1
-                await asyncio.sleep(max(0.0, t0 + (k - k0) * period - time.perf_counter()))
-
-    pending: deque = deque()  # (due perf time, completion record), in due order (constant hold)
-
-    async def decisions() -> None:
-        while True:
-            batches = await consumer.getmany(timeout_ms=200, max_records=2000)
-            due = time.perf_counter() + args.hold_ms / 1000
-            for records in batches.values():
-                for r in records:
-                    try:
-                        name, d = codec.decode(r.value)
-                    except codec.CodecError:
-                        continue
-                    if name == "RouteRequest":  # a baseline's reply (the request, echoed): a provider
-                        stats["decision_echoed"] += 1  # of its model completes it, as after a decision
-                        serving = by_model[d["model"]]
-                        d["provider_id"] = serving[zlib.crc32(r.key or b"") % len(serving)]
-                    elif name == "RouteDecision":
-                        stats["decision_" + d["outcome"]] += 1
-                        if d["outcome"] != "routed":
-                            continue
-                    else:
-                        continue
-                    pending.append((due, {
-                        "event_id": uuid.uuid4().hex, "request_id": d["request_id"],
-                        "attempt": d["attempt"], "provider_id": d["provider_id"], "model": d["model"],
-                        "status": "ok", "prompt_tokens": 1200, "completion_tokens": 64, "ttft_ms": 0.0,
-                        "completed_at_ms": 0}))
-
-    async def completions() -> None:
-        while True:
-            now = time.perf_counter()
-            while pending and pending[0][0] <= now:
-                _, c = pending.popleft()
-                c["completed_at_ms"] = wall_ms()
-                await producer.send(completions_topic, value=codec.encode("Completion", c),
-                                    key=c["provider_id"].encode())
-                stats["completions"] += 1
-            await asyncio.sleep(0.005)
-
-    try:
-        await run_until_stopped([heartbeats(), decisions(), completions()])
-    finally:
-        await consumer.stop()
-        await producer.stop()
-        print(json.dumps(dict(stats)), flush=True)
-
-
-# === the driver ====================================================================================
-async def drive(bootstrap: str, system: str, requests_topic: str, reply_topic: str, rate: float,
-                warmup: float, seconds: float, models: list[str], seed: int, drain: float) -> dict:
-    """One open-loop phase: `rate` requests/s for warmup + seconds; returns the measured figures and
-    per-request arrays (for the journal breakdown)."""
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-
-    rng = random.Random(seed)
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, client_id="bench-driver", **PRODUCER_SETTINGS)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id="bench-driver-replies",
-                                **CONSUMER_SETTINGS)
-    await producer.start()
-    await consumer.start()
-    tp = TopicPartition(reply_topic, 0)
-    consumer.assign([tp])
-    await consumer.seek_to_end(tp)
-    await consumer.position(tp)
-
-    n_warm = int(round(rate * warmup))
-    n_total = n_warm + int(round(rate * seconds))
-    tag = f"{system}-{int(rate)}-{uuid.uuid4().hex[:6]}"
-    rids = [f"{tag}-{i}" for i in range(n_total)]
-    index = {rid.encode(): i for i, rid in enumerate(rids)}
-    send_perf = [0.0] * n_total
-    send_wall = [0.0] * n_total
-    lag = [0.0] * n_total
-    recv_perf: list = [None] * n_total
-    recv_wall: list = [None] * n_total
-    reply_ts: list = [None] * n_total
-    outcome: list = [None] * n_total
-    counts = Counter()
-    state = {"received": 0, "sent_all": False}
-    all_in = asyncio.Event()
-
-    async def receive() -> None:
-        while True:
-            batches = await consumer.getmany(timeout_ms=100, max_records=5000)
-            t, tw = time.perf_counter(), time.time()
-            for records in batches.values():
-                for r in records:
-                    i = index.pop(r.key, None)
-                    if i is None:  # a queue follow-up (second decision) or a stranger
-                        counts["extra_replies"] += 1
-                        continue
-                    recv_perf[i], recv_wall[i], reply_ts[i] = t, tw, r.timestamp
-                    try:
-                        name, rec = codec.decode(r.value)
-                        outcome[i] = rec.get("outcome") if name == "RouteDecision" else name
-                    except codec.CodecError as e:
-                        outcome[i] = "undecodable:" + e.reason
-                    state["received"] += 1
-            if state["received"] == n_total:
-                all_in.set()
-
-    receiver = asyncio.create_task(receive())
-    gc.collect()
-    period = 1.0 / rate
-    t0 = time.perf_counter() + 0.05
-    i = 0
-    try:
-        while i < n_total:
-            now = time.perf_counter()
-            due = min(n_total, int((now - t0) / period) + 1) if now >= t0 else 0
-            while i < due:
-                model = models[rng.randrange(len(models))]
-                req = request(rids[i], model, wall_ms())
-                req["max_tokens"] = 256
-                req["reply_to"] = reply_topic
-                value = codec.encode("RouteRequest", req)
-                send_wall[i] = time.time()
-                send_perf[i] = ts = time.perf_counter()
-                lag[i] = ts - (t0 + i * period)
-                await producer.send(requests_topic, value=value, key=rids[i].encode())
-                i += 1
-            await asyncio.sleep(max(0.0, t0 + i * period - time.perf_counter()))
-        await producer.flush()
-        try:
-            await asyncio.wait_for(all_in.wait(), drain)
-        except asyncio.TimeoutError:
-            pass
-    finally:
-        receiver.cancel()
-        try:
-            await receiver
-        except (asyncio.CancelledError, Exception):  # noqa: BLE001
-            pass
-        await consumer.stop()
-        await producer.stop()
-
-    measured = range(n_warm, n_total)
-    lat = [(recv_perf[j] - send_perf[j]) * 1000 for j in measured if recv_perf[j] is not None]
-    span = send_perf[n_total - 1] - send_perf[n_warm] if n_total - n_warm > 1 else 0.0
-    out_counts = Counter(outcome[j] for j in measured if outcome[j] is not None)
-    result = {
-        "system": system, "rate": rate, "requests": len(measured), "replies": len(lat),
-        "lost": len(measured) - len(lat), "achieved_rate": round((len(measured) - 1) / span, 1) if span else None,
-        "p50_ms": r3(pct(lat, 50)), "p90_ms": r3(pct(lat, 90)), "p99_ms": r3(pct(lat, 99)),
-        "max_ms": r3(max(lat) if lat else None), "mean_ms": r3(mean(lat)),
-        "send_lag_p99_ms": r3(pct([lag[j] * 1000 for j in measured], 99)),
-        "send_lag_max_ms": r3(max(lag[j] * 1000 for j in measured)),
-        "outcomes": dict(out_counts), "extra_replies": counts["extra_replies"],
-        "timeline_p50_ms": timeline(send_perf, recv_perf, n_warm, n_total),
-    }
-    arrays = {"rids": rids, "n_warm": n_warm, "send_wall": send_wall, "recv_wall": recv_wall,
-              "reply_ts": reply_ts}
-    return result, arrays
-
-
-def timeline(send_perf: list, recv_perf: list, n_warm: int, n_total: int) -> list:
-    """p50 latency (ms) of the requests sent in each second of the measurement (None: no reply)."""
-    if n_total <= n_warm:
-        return []
-    t0 = send_perf[n_warm]
-    buckets: dict[int, list] = {}
-    for j in range(n_warm, n_total):
-        b = buckets.setdefault(int(send_perf[j] - t0), [])
-        if recv_perf[j] is not None:
-            b.append((recv_perf[j] - send_perf[j]) * 1000)
-    return [round(pct(buckets[k], 50), 1) if buckets[k] else None for k in sorted(buckets)]
 
 
 async def journal_times(bootstrap: str, topic: str, start: int, wanted: set[str]) -> dict[str, int]:
@@ -677,6 +437,7 @@ def parse_args(argv=None):
     f.add_argument("--interval", type=float, default=5.0)
     f.add_argument("--hold-ms", type=float, default=200.0)
     f.add_argument("--paused", action="store_true")
+    f.add_argument("--client", choices=CLIENTS, default=CLIENTS[0])
     pr = sub.add_parser("profile", help="summarise a py-spy raw profile by category")
     pr.add_argument("file")
     ap.add_argument("--rates", default="200,1000", help="requests/s, comma-separated (default 200,1000)")
@@ -698,6 +459,10 @@ def parse_args(argv=None):
                     help="comma-separated, in order, of " + ",".join(SYSTEMS) + " (default "
                          + ",".join(DEFAULT_SYSTEMS) + "; pipeline_shared: the bare pipeline with one "
                          "consumer for both stages)")
+    ap.add_argument("--load-client", choices=CLIENTS, default=CLIENTS[0],
+                    help="the Kafka client of the load driver and the fleet child (benchmarks/load.py; "
+                         "default librdkafka: the load takes less of the machine; the systems under "
+                         "test are aiokafka either way)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default="out/bench/pipeline_latency.json")
     ap.add_argument("--workdir", default="var/bench", help="worker data dirs and logs go under here")
@@ -713,7 +478,7 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.role == "fleet":
-        asyncio.run(fleet_main(args))
+        fleet_main(args)
         return 0
     if args.role == "profile":
         summary = profile_summary(args.file)
@@ -730,6 +495,11 @@ def main(argv=None) -> int:
     unknown = set(systems) - set(SYSTEMS)
     if unknown or not rates or min(rates) <= 0 or args.rounds < 1:
         print(f"bad --systems {sorted(unknown)}, --rates or --rounds", file=sys.stderr)
+        return 2
+    if (args.load_client == "librdkafka" or "echo_librdkafka" in systems) \
+            and importlib.util.find_spec("confluent_kafka") is None:
+        print("librdkafka needs confluent-kafka (`make install` installs it), or --load-client aiokafka",
+              file=sys.stderr)
         return 2
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     tag = run_id.replace("-", "")
@@ -755,7 +525,7 @@ def main(argv=None) -> int:
                     for s in ("echo_fleet", "pipeline_fleet")}
     info = machine_info()
     info.update(run_id=run_id, rundir=str(rundir), settings={
-        k: getattr(args, k) for k in ("rates", "seconds", "warmup", "broker_warmup", "rounds", "drain", "providers",
+        k: getattr(args, k) for k in ("rates", "seconds", "warmup", "broker_warmup", "rounds", "drain", "load_client", "providers",
                                       "models", "per_box", "heartbeat_s", "hold_ms", "seed", "worker_env")},
         pipeline_avro="decode on both stages, encode of the reply")
     models = model_names(args.models)
@@ -803,7 +573,7 @@ def main(argv=None) -> int:
                 "fleet", "--bootstrap", bootstrap, "--prefix", fleet_prefix[system], "--replies",
                 topics[system][1], "--providers", str(args.providers), "--models", str(args.models),
                 "--per-box", str(args.per_box), "--interval", str(args.heartbeat_s), "--hold-ms",
-                str(args.hold_ms), "--paused"], rundir / f"fleet-{system}.log").start()
+                str(args.hold_ms), "--client", args.load_client, "--paused"], rundir / f"fleet-{system}.log").start()
 
         for system in fleet_inputs:
             if system in systems:
@@ -826,8 +596,8 @@ def main(argv=None) -> int:
                          warm_topics[0], "--replies", warm_topics[1]], rundir / "broker-warmup.log").start()
             try:
                 t0 = time.monotonic()
-                warmed, _ = asyncio.run(drive(bootstrap, "warmup", *warm_topics, max(rates), 0.0,
-                                              args.broker_warmup, models, args.seed + 2, 2.0))
+                warmed, _ = drive(args.load_client, bootstrap, "warmup", *warm_topics, max(rates), 0.0,
+                                  args.broker_warmup, models, args.seed + 2, 2.0)
             finally:
                 info["children"] = {"broker_warmup": warm.stop()}
             print(f"broker warmed: {warmed['replies']} echoes at {max(rates):g}/s in "
@@ -839,8 +609,8 @@ def main(argv=None) -> int:
             if system in fleets:
                 os.kill(fleets[system].pid, signal.SIGUSR2)
             try:
-                primed, _ = asyncio.run(drive(bootstrap, system, *topics[system], 20.0, 0.0, 2.0, models,
-                                              args.seed + 1, 10.0))
+                primed, _ = drive(args.load_client, bootstrap, system, *topics[system], 20.0, 0.0, 2.0,
+                                  models, args.seed + 1, 10.0)
             finally:
                 if system in fleets:
                     os.kill(fleets[system].pid, signal.SIGUSR1)
@@ -878,8 +648,8 @@ def main(argv=None) -> int:
             meter = CpuMeter(pids).start()
             t_phase = time.monotonic()
             try:
-                res, arrays = asyncio.run(drive(bootstrap, system, *topics[system], rate, args.warmup,
-                                                args.seconds, models, args.seed, args.drain))
+                res, arrays = drive(args.load_client, bootstrap, system, *topics[system], rate, args.warmup,
+                                    args.seconds, models, args.seed, args.drain)
             finally:
                 if system in fleets:
                     os.kill(fleets[system].pid, signal.SIGUSR1)  # heartbeats off

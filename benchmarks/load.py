@@ -3,7 +3,7 @@ of two Kafka clients (``--load-client``).
 
 * ``librdkafka`` (confluent-kafka; the default): one thread producing, consuming and polling, the
   protocol in C. The load generators share the two cores with the system under test, and on
-  aiokafka they took 0.6-0.8 of them at 1000 requests/s (docs/benchmarks.md, "ninth"): the
+  aiokafka they took 0.6-0.9 of them at 1000 requests/s (docs/benchmarks.md, "ninth"): the
   measurement itself was a good part of the machine's saturation. A real fleet's gateways and
   providers are other machines.
 * ``aiokafka``: asyncio + aiokafka, as every run before "ninth".
@@ -77,6 +77,21 @@ def _rdkafka_consumer_at_end(bootstrap: str, client_id: str, topic: str):
     _, end = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)
     consumer.assign([TopicPartition(topic, 0, end)])
     return consumer
+
+
+async def _aiokafka_started(bootstrap: str, client_id: str, topic: str):
+    """A started producer, and a started consumer of partition 0 of `topic` from its current end."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, client_id=client_id, **PRODUCER_SETTINGS)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id=client_id + "-replies", **CONSUMER_SETTINGS)
+    await producer.start()
+    await consumer.start()
+    tp = TopicPartition(topic, 0)
+    consumer.assign([tp])
+    await consumer.seek_to_end(tp)
+    await consumer.position(tp)
+    return producer, consumer
 
 
 def _take(consumer, timeout: float) -> list:
@@ -219,17 +234,7 @@ def _drive_librdkafka(phase: Phase, bootstrap: str, requests_topic: str, drain: 
 
 
 async def _drive_aiokafka(phase: Phase, bootstrap: str, requests_topic: str, drain: float) -> None:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, client_id="bench-driver", **PRODUCER_SETTINGS)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, client_id="bench-driver-replies",
-                                **CONSUMER_SETTINGS)
-    await producer.start()
-    await consumer.start()
-    tp = TopicPartition(phase.reply_topic, 0)
-    consumer.assign([tp])
-    await consumer.seek_to_end(tp)
-    await consumer.position(tp)
+    producer, consumer = await _aiokafka_started(bootstrap, "bench-driver", phase.reply_topic)
     all_in = asyncio.Event()
 
     async def receive() -> None:
@@ -388,17 +393,7 @@ def _fleet_librdkafka(fleet: Fleet, args) -> None:
 
 
 async def _fleet_aiokafka(fleet: Fleet, args) -> None:
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-
-    producer = AIOKafkaProducer(bootstrap_servers=args.bootstrap, client_id="bench-fleet", **PRODUCER_SETTINGS)
-    consumer = AIOKafkaConsumer(bootstrap_servers=args.bootstrap, client_id="bench-fleet-replies",
-                                **CONSUMER_SETTINGS)
-    await producer.start()
-    await consumer.start()
-    tp = TopicPartition(args.replies, 0)
-    consumer.assign([tp])
-    await consumer.seek_to_end(tp)
-    await consumer.position(tp)
+    producer, consumer = await _aiokafka_started(args.bootstrap, "bench-fleet", args.replies)
     active = asyncio.Event()
     if not args.paused:
         active.set()

@@ -67,6 +67,8 @@ async def _consumer_at_start(bootstrap: str, *topics: str):
 async def _stage(consumer, handle, stats: dict, name: str) -> None:
     while True:
         batches = await consumer.getmany(timeout_ms=500, max_records=1000)
+        if batches:  # records per fetch: how the load's arrivals batch (docs/benchmarks.md, "ninth")
+            stats[name + "_fetches"] = stats.get(name + "_fetches", 0) + 1
         for records in batches.values():
             for record in records:
                 await handle(record)

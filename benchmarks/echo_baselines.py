@@ -50,6 +50,31 @@ CONSUMER_SETTINGS = {"group_id": None, "enable_auto_commit": False, "fetch_max_w
                      "auto_offset_reset": "earliest"}
 
 
+# The same settings on confluent-kafka (librdkafka): the `echo_librdkafka` baseline and the load
+# (benchmarks/load.py). Nagle off, as aiokafka has it: with it on, small messages on loopback wait
+# ~40 ms for an ACK.
+def rdkafka_producer(bootstrap: str, client_id: str):
+    from confluent_kafka import Producer
+
+    return Producer({"bootstrap.servers": bootstrap, "client.id": client_id, "acks": PRODUCER_SETTINGS["acks"],
+                     "linger.ms": PRODUCER_SETTINGS["linger_ms"], "socket.nagle.disable": True})
+
+
+def rdkafka_consumer(bootstrap: str, client_id: str):
+    """An unassigned consumer (no group membership, no commits)."""
+    from confluent_kafka import Consumer
+
+    return Consumer({"bootstrap.servers": bootstrap, "client.id": client_id, "group.id": client_id,
+                     "enable.auto.commit": False, "fetch.wait.max.ms": CONSUMER_SETTINGS["fetch_max_wait_ms"],
+                     "socket.nagle.disable": True})
+
+
+def rdkafka_take(consumer, timeout: float) -> list:
+    """What is fetched already; else wait up to `timeout` s for one message. (consume(n, t) waits
+    until it has n messages: it would hold a message that came early.)"""
+    return consumer.consume(1000, 0) or consumer.consume(1, timeout)
+
+
 # === the child's side ================================================================================
 async def _consumer_at_start(bootstrap: str, *topics: str):
     from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -165,22 +190,17 @@ async def serve(args) -> None:
 
 def serve_librdkafka(args) -> None:
     """The echo on librdkafka, with the aiokafka echo's settings (acks=all, linger 0, no group)."""
-    from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
+    from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
-    # Nagle off, as aiokafka has it: with it on, small messages on loopback wait ~40 ms for an ACK.
-    producer = Producer({"bootstrap.servers": args.bootstrap, "client.id": "bench-baseline", "acks": "all",
-                         "linger.ms": 0, "socket.nagle.disable": True})
-    consumer = Consumer({"bootstrap.servers": args.bootstrap, "group.id": "unused", "enable.auto.commit": False,
-                         "fetch.wait.max.ms": CONSUMER_SETTINGS["fetch_max_wait_ms"],
-                         "socket.nagle.disable": True})
+    producer = rdkafka_producer(args.bootstrap, "bench-baseline")
+    consumer = rdkafka_consumer(args.bootstrap, "bench-baseline-requests")
     consumer.assign([TopicPartition(args.requests, 0, OFFSET_BEGINNING)])
     stop, stats = [], {"mode": args.mode, "stage1": 0}
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     signal.signal(signal.SIGINT, lambda *_: stop.append(1))
     print("READY", flush=True)
     while not stop:
-        # consume(n, timeout) waits until it has n messages: take what is there, else wait for one
-        for message in consumer.consume(1000, 0) or consumer.consume(1, 0.1):
+        for message in rdkafka_take(consumer, 0.1):
             if message.error() is None:
                 producer.produce(args.replies, message.value(), message.key())
                 stats["stage1"] += 1

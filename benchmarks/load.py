@@ -29,7 +29,8 @@ import uuid
 import zlib
 from collections import Counter, deque
 
-from benchmarks.echo_baselines import CONSUMER_SETTINGS, PRODUCER_SETTINGS, run_until_stopped
+from benchmarks.echo_baselines import (CONSUMER_SETTINGS, PRODUCER_SETTINGS, rdkafka_consumer, rdkafka_producer,
+                                       rdkafka_take, run_until_stopped)
 from benchmarks.fleet import heartbeat, model_names, request
 from streams import codec
 
@@ -57,23 +58,12 @@ def r3(v):
     return None if v is None else round(v, 3)
 
 
-def _rdkafka_producer(bootstrap: str, client_id: str):
-    from confluent_kafka import Producer
-
-    # Nagle off, as aiokafka has it: with it on, small messages on loopback wait ~40 ms for an ACK.
-    return Producer({"bootstrap.servers": bootstrap, "client.id": client_id,
-                     "acks": PRODUCER_SETTINGS["acks"], "linger.ms": PRODUCER_SETTINGS["linger_ms"],
-                     "socket.nagle.disable": True})
-
-
 def _rdkafka_consumer_at_end(bootstrap: str, client_id: str, topic: str):
     """A consumer of partition 0 of `topic` from its current end (resolved now, not lazily, so
     nothing produced after this returns is skipped)."""
-    from confluent_kafka import Consumer, TopicPartition
+    from confluent_kafka import TopicPartition
 
-    consumer = Consumer({"bootstrap.servers": bootstrap, "client.id": client_id, "group.id": client_id,
-                         "enable.auto.commit": False, "fetch.wait.max.ms": CONSUMER_SETTINGS["fetch_max_wait_ms"],
-                         "socket.nagle.disable": True})
+    consumer = rdkafka_consumer(bootstrap, client_id)
     _, end = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=30)
     consumer.assign([TopicPartition(topic, 0, end)])
     return consumer
@@ -92,12 +82,6 @@ async def _aiokafka_started(bootstrap: str, client_id: str, topic: str):
     await consumer.seek_to_end(tp)
     await consumer.position(tp)
     return producer, consumer
-
-
-def _take(consumer, timeout: float) -> list:
-    """What is fetched already; else wait up to `timeout` s for one message. (consume(n, t) waits
-    until it has n messages: it would hold a reply that came early.)"""
-    return consumer.consume(1000, 0) or consumer.consume(1, timeout)
 
 
 # === the driver ====================================================================================
@@ -202,11 +186,11 @@ def drive(client: str, bootstrap: str, system: str, requests_topic: str, reply_t
 
 
 def _drive_librdkafka(phase: Phase, bootstrap: str, requests_topic: str, drain: float) -> None:
-    producer = _rdkafka_producer(bootstrap, "bench-driver")
+    producer = rdkafka_producer(bootstrap, "bench-driver")
     consumer = _rdkafka_consumer_at_end(bootstrap, "bench-driver-replies", phase.reply_topic)
 
     def receive(timeout: float) -> None:
-        messages = _take(consumer, timeout)
+        messages = rdkafka_take(consumer, timeout)
         if messages:
             t, tw = time.perf_counter(), time.time()
             for m in messages:
@@ -346,7 +330,7 @@ def fleet_main(args) -> None:
 
 
 def _fleet_librdkafka(fleet: Fleet, args) -> None:
-    producer = _rdkafka_producer(args.bootstrap, "bench-fleet")
+    producer = rdkafka_producer(args.bootstrap, "bench-fleet")
     consumer = _rdkafka_consumer_at_end(args.bootstrap, "bench-fleet-replies", args.replies)
     state = {"active": not args.paused, "stop": False, "t0": 0.0, "k0": 0}
 
@@ -380,7 +364,7 @@ def _fleet_librdkafka(fleet: Fleet, args) -> None:
             if fleet.pending:
                 wait = min(wait, fleet.pending[0][0] - now)
             producer.poll(0)  # delivery reports
-            messages = _take(consumer, max(0.001, wait))
+            messages = rdkafka_take(consumer, max(0.001, wait))
             if messages:
                 due_at = time.perf_counter() + fleet.hold_s
                 for m in messages:

@@ -498,7 +498,7 @@ def main(argv=None) -> int:
         return 2
     if (args.load_client == "librdkafka" or "echo_librdkafka" in systems) \
             and importlib.util.find_spec("confluent_kafka") is None:
-        print("librdkafka needs confluent-kafka (`make install` installs it), or --load-client aiokafka",
+        print("librdkafka (the load, or echo_librdkafka) needs confluent-kafka: `make install` installs it",
               file=sys.stderr)
         return 2
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]

@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-faults install broker clean
+.PHONY: demo test test-faults lint install broker clean
 
 demo: $(STAMP)
 	$(PY) -m streams.demo $(ARGS)
@@ -14,6 +14,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m streams.broker fetch
 	$(PY) -m pytest $(ARGS)
+
+# Unused imports and names, undefined names: what a review would catch by eye.
+lint: $(STAMP)
+	$(PY) -m pyflakes app.py streams replay benchmarks tests
 
 # The fault tests (kill -9 of the router x20, broker restart, 100k-message fuzz, overload, ...):
 # ~15 min, skipped by `make test` (docs/reliability.md).

@@ -51,7 +51,7 @@ def wall_ms() -> int:
 
 
 # The worker's other inputs, created before it starts so it does not wait for their auto-creation.
-OTHER_INPUT_TOPICS = ("switchyard.requests", "switchyard.completions", "switchyard.config", "switchyard.journal")
+OTHER_INPUT_TOPICS = ("switchyard.requests", "switchyard.completions", "switchyard.config")
 
 
 async def produce(bootstrap: str, topic: str, providers: int, models: int, per_box: int, heartbeats: int) -> dict:

@@ -25,7 +25,7 @@ from . import audit as audit_mod
 from .child_process import WriteInChild
 from . import explain as explain_mod
 from .run import batch_gc, decisions
-from .sources import JournalStream, KafkaJournal, container_schema, kafka_decisions, kafka_records
+from .sources import JournalIncomplete, JournalStream, KafkaJournal, container_schema, kafka_decisions, kafka_records
 
 
 def _source(args):
@@ -36,8 +36,7 @@ def _source(args):
         return JournalStream(args.journal)
     if not args.bootstrap:
         sys.exit("give --journal FILE or --bootstrap HOST:PORT")
-    return KafkaJournal(args.bootstrap, args.topic, args.partition,
-                        start=args.start_offset, end=args.end_offset)
+    return KafkaJournal(args.bootstrap, args.topic, args.partition, end=args.end_offset, from_first=True)
 
 
 def _add_source_args(p, journal_required=False):
@@ -45,7 +44,7 @@ def _add_source_args(p, journal_required=False):
     p.add_argument("--bootstrap", help="Kafka bootstrap servers, to read the journal topic instead")
     p.add_argument("--topic", default="switchyard.journal", help="journal topic (default %(default)s)")
     p.add_argument("--partition", type=int, default=0, help="journal partition = routing domain")
-    p.add_argument("--start-offset", type=int, help="first offset to read (Kafka)")
+    # No --start-offset: a replay starts from the initial state, so it reads from offset 0.
     p.add_argument("--end-offset", type=int, help="offset to stop before (Kafka)")
 
 
@@ -67,11 +66,15 @@ def cmd_export(args) -> int:
     records = kafka_records(args.bootstrap, args.topic, args.partition, start=args.start_offset,
                             end=args.end_offset, start_ms=args.start_ms, end_ms=args.end_ms)
     avro = open(args.avro, "wb") if args.avro else None
-    n = 0
+    n, first = 0, True
     try:
         container = Writer(avro, container_schema()) if avro else None  # written as it is read
         with open(args.out, "w") as fp:
             for rec in records:
+                if first and rec.offset > 0 and args.start_offset is None and args.start_ms is None:
+                    print(f"note: the journal begins at offset {rec.offset}, not 0 (its first entries were "
+                          "deleted): a replay of this export will refuse it", file=sys.stderr)
+                first = False
                 try:
                     name, value = codec.decode(rec.value)
                 except codec.CodecError as e:
@@ -157,7 +160,7 @@ def main(argv=None) -> int:
     p.add_argument("--bootstrap", required=True)
     p.add_argument("--topic", default="switchyard.journal")
     p.add_argument("--partition", type=int, default=0)
-    p.add_argument("--start-offset", type=int)
+    p.add_argument("--start-offset", type=int, help="first offset (a window to look at: a replay needs offset 0 on)")
     p.add_argument("--end-offset", type=int)
     p.add_argument("--start-ms", type=int, help="first entry at or after this time (ms since epoch)")
     p.add_argument("--end-ms", type=int, help="stop at entries at or after this time")
@@ -188,7 +191,11 @@ def main(argv=None) -> int:
 
     args = ap.parse_args(argv)
     batch_gc()
-    return args.func(args)
+    try:
+        return args.func(args)
+    except JournalIncomplete as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from fastavro import parse_schema, reader as avro_reader
 
@@ -35,6 +35,17 @@ def container_schema() -> dict:
                                     {"name": "event", "type": [codec.schema(n) for n in sorted(codec.RECORD_NAMES)]}]})
 
 
+class JournalIncomplete(ValueError):
+    """A journal that does not begin with its first entry (offset 0). A replay starts from the
+    initial state, so replaying what is left would give other decisions than the worker's."""
+
+
+def incomplete(where: str, first: int, why: str) -> JournalIncomplete:
+    return JournalIncomplete(
+        f"{where} begins at offset {first}, not 0: {why}. A replay starts from the initial state "
+        f"and needs every entry from offset 0; replay an export taken while they were all there.")
+
+
 def is_avro_container(path: str) -> bool:
     with open(path, "rb") as fp:
         return fp.read(4) == AVRO_MAGIC
@@ -46,6 +57,34 @@ def avro_entries(path: str) -> Iterator[JournalEntry]:
         for row in avro_reader(fp, **AVRO_READ):
             name, record = row["event"]
             yield JournalEntry(row["journal_offset"], row["journal_time_ms"], name.rsplit(".", 1)[-1], record)
+
+
+class FromFirstEntry:
+    """The entries of a journal file, read once; JournalIncomplete if its first input entry's
+    offset is more than the lines before it (outputs, or lines the reader skipped: each takes up
+    an offset). `skipped` is the reader's."""
+
+    def __init__(self, path: str, entries: Iterable[JournalEntry]):
+        self.path, self.entries = path, entries
+
+    @property
+    def skipped(self) -> Counter:
+        return getattr(self.entries, "skipped", Counter())
+
+    def __iter__(self) -> Iterator[JournalEntry]:
+        lines_before, rest = 0, iter(self.entries)
+        for entry in rest:
+            if entry.type in OUTPUT_TYPES:
+                lines_before += 1
+                yield entry
+                continue
+            if entry.journal_offset > lines_before + sum(self.skipped.values()):
+                raise incomplete(self.path, entry.journal_offset, "the entries before it are not in "
+                                        "the file (an export of a journal whose first entries were deleted, "
+                                        "or of a window)")
+            yield entry
+            break
+        yield from rest
 
 
 class JournalStream:
@@ -62,7 +101,7 @@ class JournalStream:
     def __iter__(self) -> Iterator[JournalEntry]:
         path = self.path
         read = avro_entries if is_avro_container(path) else read_journal
-        entries = ReadInChild(lambda: read(path))  # decoded on the other core
+        entries = ReadInChild(lambda: FromFirstEntry(path, read(path)))  # decoded on the other core
         self.skipped = entries.skipped
         for entry in entries:
             if entry.type == "RouteDecision":
@@ -73,7 +112,7 @@ class JournalStream:
 
 
 async def _kafka_batches(bootstrap: str, topic: str, partition: int, start: int | None, end: int | None,
-                         start_ms: int | None = None, end_ms: int | None = None):
+                         start_ms: int | None = None, end_ms: int | None = None, from_first: bool = False):
     from aiokafka import AIOKafkaConsumer, TopicPartition
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
                                 auto_offset_reset="earliest")
@@ -90,6 +129,10 @@ async def _kafka_batches(bootstrap: str, topic: str, partition: int, start: int 
             end = min(end if end is not None else high, found.offset if found else high)
         end = high if end is None else min(end, high)
         low = (await consumer.beginning_offsets([tp]))[tp]
+        if from_first and low > 0:
+            raise incomplete(f"{topic} partition {partition}", low,
+                                    "the entries before it were deleted (the topic's retention.ms or "
+                                    "retention.bytes; the worker logs a warning at start when they are set)")
         consumer.seek(tp, max(low, start or 0))  # an explicit seek: seek_to_beginning can race
         while await consumer.position(tp) < end:
             batch = await consumer.getmany(tp, timeout_ms=1000, max_records=10_000)
@@ -99,11 +142,12 @@ async def _kafka_batches(bootstrap: str, topic: str, partition: int, start: int 
 
 
 def kafka_records(bootstrap: str, topic: str, partition: int = 0, start: int | None = None,
-                  end: int | None = None, start_ms: int | None = None, end_ms: int | None = None) -> Iterator:
+                  end: int | None = None, start_ms: int | None = None, end_ms: int | None = None,
+                  from_first: bool = False) -> Iterator:
     """The records of a topic partition (optionally between offsets or times), fetched in batches
-    as they are consumed."""
+    as they are consumed. `from_first`: raise JournalIncomplete if its first records were deleted."""
     loop = asyncio.new_event_loop()
-    batches = _kafka_batches(bootstrap, topic, partition, start, end, start_ms, end_ms)
+    batches = _kafka_batches(bootstrap, topic, partition, start, end, start_ms, end_ms, from_first)
     try:
         while True:
             try:

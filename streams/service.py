@@ -12,6 +12,7 @@ Environment (adapter settings, not routing settings):
   SWITCHYARD_WEB_BIND      interface the web server listens on (default 127.0.0.1: not exposed)
   SWITCHYARD_APP_ID        consumer group / app id (default switchyard)
   SWITCHYARD_TOPIC_PREFIX  prefix for every topic name (default none; tests isolate with it)
+  SWITCHYARD_REPLICATION_FACTOR  replicas of the topics the worker creates (default 1)
   EIGENINFERENCE_*         routing settings; recorded in the journal before the first decision
   KAFKA_SECURITY_PROTOCOL, KAFKA_SASL_MECHANISM, KAFKA_SASL_USERNAME, KAFKA_SASL_PASSWORD,
   KAFKA_SSL_CAFILE         broker connection security (streams/kafka_security.py, docs/security.md)
@@ -36,6 +37,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from . import codec, faust_consumer, faust_table
 from .config import Config
+from .journal_topic import JOURNAL_CONFIG, journal_config_problem, topic_config
 from .kafka_security import KafkaSecurity
 from .core_store import INPUTS as INPUTS_KEY, CoreStore
 from .persistence import SEP
@@ -92,7 +94,9 @@ app = App(
     web_tables_enabled=False,
     web_router_enabled=False,
     topic_partitions=1,
-    topic_replication_factor=1,
+    # 1 for a one-broker cluster (the local broker); a production cluster wants 3, with the
+    # brokers' min.insync.replicas = 2, since the journal is written with acks=all.
+    topic_replication_factor=int(os.environ.get("SWITCHYARD_REPLICATION_FACTOR", "1")),
     broker_session_timeout=10.0,
     broker_heartbeat_interval=1.0,
     stream_wait_empty=False,
@@ -117,7 +121,7 @@ providers_topic = _topic("switchyard.providers")
 requests_topic = _topic("switchyard.requests")
 completions_topic = _topic("switchyard.completions")
 config_topic = _topic("switchyard.config")
-journal_topic = _topic("switchyard.journal", partitions=1)
+journal_topic = _topic("switchyard.journal", partitions=1, config=JOURNAL_CONFIG)
 decisions_topic = _topic("switchyard.decisions")
 reservations_topic = _topic("switchyard.reservations")
 capacity_topic = _topic("switchyard.capacity")
@@ -777,6 +781,13 @@ async def declare_topics() -> None:
                   decisions_topic, reservations_topic, capacity_topic, deadletter_topic):
         await topic.maybe_declare()
     topics_declared.set()
+    try:
+        problem = journal_config_problem(await topic_config(JOURNAL.topic, BOOTSTRAP, SECURITY.aiokafka_kwargs()))
+    except Exception as exc:  # the check is advice: a cluster that refuses DescribeConfigs still routes
+        app.log.warning("could not read the journal topic's configuration: %r", exc)
+        return
+    if problem:
+        app.log.warning("journal topic %s: %s", JOURNAL.topic, problem)
 
 
 topics_declared = asyncio.Event()

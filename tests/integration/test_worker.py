@@ -1,11 +1,14 @@
 """The Faust worker on a real broker: ingest → journal → provider table, dead-letters, restart."""
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from streams import codec
+from streams.journal_topic import topic_config
 from tests.integration.kafka_io import journal_types, produce, produce_events, provider_rows, read_topic, wait_for
 from tests.integration.worker import Worker
 
@@ -71,7 +74,6 @@ def test_bad_input_is_dead_lettered_and_the_agent_keeps_running(world):
     bootstrap, prefix, app_id, worker = world
     worker.start()
     good = codec.encode("ProviderRegistered", registration("box-c"))
-    import asyncio
     asyncio.run(produce(bootstrap, prefix + "switchyard.providers", [
         (b"box-x", b"\x00\x00\x00\x00\x02garbage"),          # truncated / malformed body
         (b"box-x", b"\x07" + good[1:]),                      # wrong magic byte
@@ -92,3 +94,33 @@ def test_bad_input_is_dead_lettered_and_the_agent_keeps_running(world):
     assert worker.metric("switchyard_events_dead_lettered_total",
                          f'reason="key_mismatch",topic="{prefix}switchyard.providers"') == 1
     assert journal_types(bootstrap, prefix + "switchyard.journal") == ["ProviderRegistered"]
+
+
+def test_the_journal_is_created_to_be_kept_forever(world):
+    bootstrap, prefix, app_id, worker = world
+    worker.start()
+    produce_events(bootstrap, prefix + "switchyard.providers", [("box-d", "ProviderRegistered", registration("box-d"))])
+    wait_for(lambda: journal_types(bootstrap, prefix + "switchyard.journal") == ["ProviderRegistered"], what="ingest")
+    config = asyncio.run(topic_config(prefix + "switchyard.journal", bootstrap))
+    assert (config["retention.ms"], config["retention.bytes"], config["cleanup.policy"]) == ("-1", "-1", "delete")
+    assert "journal topic" not in worker.tail(400)
+
+
+def test_an_existing_journal_that_would_lose_entries_is_reported_at_start(world):
+    bootstrap, prefix, app_id, worker = world
+    journal = prefix + "switchyard.journal"
+
+    async def create() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:  # as a broker's defaults, or an older worker, would have made it
+            await admin.create_topics([NewTopic(journal, 1, 1, topic_configs={"retention.ms": "604800000"})])
+        finally:
+            await admin.close()
+
+    asyncio.run(create())
+    worker.start()
+    wait_for(lambda: f"journal topic {journal}: retention.ms=604800000" in worker.tail(400), what="the warning")
+    assert asyncio.run(topic_config(journal, bootstrap))["retention.ms"] == "604800000"  # left as it is
+    produce_events(bootstrap, prefix + "switchyard.providers", [("box-d", "ProviderRegistered", registration("box-d"))])
+    wait_for(lambda: journal_types(bootstrap, journal) == ["ProviderRegistered"], what="ingest still runs")

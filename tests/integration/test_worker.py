@@ -124,3 +124,15 @@ def test_an_existing_journal_that_would_lose_entries_is_reported_at_start(world)
     assert asyncio.run(topic_config(journal, bootstrap))["retention.ms"] == "604800000"  # left as it is
     produce_events(bootstrap, prefix + "switchyard.providers", [("box-d", "ProviderRegistered", registration("box-d"))])
     wait_for(lambda: journal_types(bootstrap, journal) == ["ProviderRegistered"], what="ingest still runs")
+
+
+def test_the_replication_factor_of_the_topics_it_creates_is_a_setting(kafka_bootstrap, tmp_path):
+    tag = uuid.uuid4().hex[:8]  # one broker here: a factor of 3 cannot be met, and the worker says so
+    worker = Worker(kafka_bootstrap, tmp_path / "worker", f"switchyard-t{tag}", f"t{tag}.",
+                    env={"SWITCHYARD_REPLICATION_FACTOR": "3"})
+    try:
+        with pytest.raises(RuntimeError, match="worker exited"):
+            worker.start(timeout=60)
+        assert "The target replication factor of 3 cannot be reached" in worker.tail(200)
+    finally:
+        worker.stop()

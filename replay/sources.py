@@ -79,9 +79,8 @@ class FromFirstEntry:
                 yield entry
                 continue
             if entry.journal_offset > lines_before + sum(self.skipped.values()):
-                raise incomplete(self.path, entry.journal_offset, "the entries before it are not in "
-                                        "the file (an export of a journal whose first entries were deleted, "
-                                        "or of a window)")
+                raise incomplete(self.path, entry.journal_offset, "the entries before it are not in the "
+                                 "file (an export of a journal whose first entries were deleted, or of a window)")
             yield entry
             break
         yield from rest
@@ -131,8 +130,8 @@ async def _kafka_batches(bootstrap: str, topic: str, partition: int, start: int 
         low = (await consumer.beginning_offsets([tp]))[tp]
         if from_first and low > 0:
             raise incomplete(f"{topic} partition {partition}", low,
-                                    "the entries before it were deleted (the topic's retention.ms or "
-                                    "retention.bytes; the worker logs a warning at start when they are set)")
+                             "the entries before it were deleted (the topic's retention.ms or retention.bytes; "
+                             "the worker logs a warning at start when they are set)")
         consumer.seek(tp, max(low, start or 0))  # an explicit seek: seek_to_beginning can race
         while await consumer.position(tp) < end:
             batch = await consumer.getmany(tp, timeout_ms=1000, max_records=10_000)

@@ -207,4 +207,7 @@ def switchyard_acls(topic_prefix: str = "", app_id: str = "switchyard", *, provi
     for name in (f"{p}switchyard.", f"{app_id}-"):
         acls += [t(worker, name, op, "PREFIXED") for op in ("READ", "WRITE", "CREATE")]
     acls.append(Acl(f"User:{worker}", "GROUP", app_id, "LITERAL", "READ"))
+    # To check at start that the journal is kept forever (streams/journal_topic.py); without it
+    # the worker runs the same and logs that it could not check.
+    acls.append(t(worker, f"{p}switchyard.journal", "DESCRIBE_CONFIGS"))
     return acls

@@ -239,6 +239,7 @@ def test_worker_with_credentials_processes_provider_events_end_to_end(secure_kaf
                    if r.value.startswith(b"\x00")]  # other tests put a raw probe value there
         assert "ProviderRegistered" in journal and "ConfigChange" in journal
         assert "Authenticated as worker via SCRAM-SHA-256" in worker.tail(10_000)
+        assert "could not read the journal topic's configuration" not in worker.tail(10_000)
         worker.stop()
 
         # A fresh data dir, same group: the router restores its state from the table changelog

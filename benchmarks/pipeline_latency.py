@@ -512,7 +512,7 @@ def main(argv=None) -> int:
         "pipeline_shared": (base + "pipe1.requests", base + "pipe1.replies"),
         "echo_fleet": (base + "echoF.requests", base + "echoF.replies"),
         "pipeline_fleet": (base + "pipeF.requests", base + "pipeF.replies"),
-        "switchyard": (base + "sy.switchyard.requests", base + "sy.bench.replies"),
+        "switchyard": (base + "sy.switchyard.requests", base + "sy.switchyard.bench.replies"),
     }
     warm_topics = (base + "warm.requests", base + "warm.replies")  # the broker's warm-up echo
     pipe_journal = base + "pipe.journal"

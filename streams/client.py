@@ -26,6 +26,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from . import codec
 from .config import PREFIX as SETTING_PREFIX, Config
+from .reply_to import reply_to_problem
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,9 @@ class GatewayClient:
         self.completions_topic = topic_prefix + COMPLETIONS
         self.default_reply_topic = topic_prefix + DECISIONS
         self.reply_topic = reply_topic or self.default_reply_topic
+        problem = reply_to_problem(self.reply_topic, topic_prefix)
+        if problem:  # the worker would dead-letter every request naming it
+            raise ValueError(f"reply_topic: {problem}")
         self._listen = [self.reply_topic]
         if listen_default and self.reply_topic != self.default_reply_topic:
             self._listen.append(self.default_reply_topic)
@@ -119,9 +123,11 @@ class GatewayClient:
         self._follow: dict[Key, asyncio.Future] = {}   # awaiting a queued request's second decision
         self._unclaimed: OrderedDict[Key, dict] = OrderedDict()  # decisions nobody awaits yet
         self._sent: OrderedDict[Key, None] = OrderedDict()       # identities this client sent
+        self._abandoned: OrderedDict[Key, None] = OrderedDict()  # timed out or cancelled, then cancelled
+        self._cancels: set[asyncio.Task] = set()                 # those cancels, being sent
         self._failure: BaseException | None = None
         self.stats = {"decisions_received": 0, "decisions_ignored": 0, "unclaimed_dropped": 0,
-                      "undecodable": 0}
+                      "undecodable": 0, "late_after_cancel": 0}
 
     # --- lifecycle ---------------------------------------------------------------------------------
     async def __aenter__(self) -> "GatewayClient":
@@ -132,6 +138,7 @@ class GatewayClient:
         await self.stop()
 
     async def start(self) -> None:
+        self._failure = None  # a failed reply consumer is replaced by this start's
         await ensure_topics(self.bootstrap, self._listen, replication_factor=self._replication)
         self._producer = make_producer(self.bootstrap)
         self._consumer = AIOKafkaConsumer(
@@ -161,8 +168,10 @@ class GatewayClient:
                 pass
             self._task = None
         for fut in (*self._first.values(), *self._follow.values()):
-            if not fut.done():
-                fut.cancel()
+            if not fut.done():  # an error, not a cancellation: nobody cancelled the callers
+                fut.set_exception(ConnectionError("GatewayClient stopped"))
+        if self._cancels:
+            await asyncio.wait(list(self._cancels), timeout=5)
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
@@ -184,14 +193,25 @@ class GatewayClient:
             req["reply_to"] = self.reply_topic
         return req
 
-    async def route(self, request: Mapping, timeout: float = 10.0) -> dict:
+    async def route(self, request: Mapping, timeout: float = 10.0, *, cancel_abandoned: bool = True) -> dict:
         """Publish a RouteRequest and return its RouteDecision (a ``queued`` one as is).
-        Raises ``asyncio.TimeoutError`` when no decision comes within ``timeout`` seconds."""
+        Raises ``asyncio.TimeoutError`` when no decision comes within ``timeout`` seconds.
+
+        A request given up on (the timeout, or the caller cancelled) may still be decided later,
+        and a routed decision holds a reservation until a Completion releases it. So the client
+        then publishes a ``cancel`` for it (best effort; ``cancel_abandoned=False`` leaves that to
+        the caller) and drops its late decision. A new try is a new attempt: the same
+        (request_id, attempt) again raises ValueError."""
         self._check()
         req = self.fill_request(request)
         key = (req["request_id"], req["attempt"])
         if key in self._first:
             raise ValueError(f"request {key} is already awaiting its decision")
+        if key in self._abandoned:
+            raise ValueError(f"request {key} was given up on and cancelled: try again as attempt {key[1] + 1}")
+        problem = reply_to_problem(req["reply_to"], self.prefix)
+        if problem:  # fails before anything is sent, as the worker would refuse it
+            raise ValueError(f"reply_to: {problem}")
         value = codec.encode("RouteRequest", req)  # fails before anything is sent
         fut = asyncio.get_running_loop().create_future()
         self._first[key] = fut  # registered before sending: a fast reply cannot slip past
@@ -200,17 +220,38 @@ class GatewayClient:
             async with asyncio.timeout(timeout):
                 await self._producer.send_and_wait(self.requests_topic, key=key[0].encode(), value=value)
                 return await fut
+        except (TimeoutError, asyncio.CancelledError):
+            if cancel_abandoned and (fut.cancelled() or not fut.done()):  # no decision (the wait is
+                self._abandon(key)                                           # cancelled with its task)
+            raise
         finally:
             if self._first.get(key) is fut:
                 del self._first[key]
+
+    def _abandon(self, key: Key) -> None:
+        """Cancel a request nobody waits for any more, in the background (its caller may be
+        being cancelled itself); `stop` waits for these sends."""
+        self._abandoned[key] = None
+        while len(self._abandoned) > self._max_tracked:
+            self._abandoned.popitem(last=False)
+        self._unclaimed.pop(key, None)
+        task = asyncio.ensure_future(self.cancel(*key))
+        self._cancels.add(task)
+        task.add_done_callback(self._cancel_sent)
+
+    def _cancel_sent(self, task: asyncio.Task) -> None:
+        self._cancels.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("could not cancel an abandoned request: %r", task.exception())
 
     async def follow_up(self, request_id: str, attempt: int = 0, timeout: float = 60.0) -> dict:
         """The second decision of a queued request: routed from the queue, or rejected
         (queue_timeout). Raises ``asyncio.TimeoutError`` when it does not come in time."""
         self._check()
         key = (request_id, attempt)
-        early = self._unclaimed.pop(key, None)
-        if early is not None:
+        early = self._unclaimed.get(key)
+        if early is not None and early["outcome"] != "queued":
+            del self._unclaimed[key]
             return early
         if key in self._follow:
             raise ValueError(f"request {key} already has a follow-up waiter")
@@ -284,7 +325,8 @@ class GatewayClient:
             self.stats["undecodable"] += 1
             return
         key = (decision["request_id"], decision["attempt"])
-        fut = self._follow.get(key)
+        queued = decision["outcome"] == "queued"
+        fut = None if queued else self._follow.get(key)  # a (re-sent) queued one is no follow-up
         if fut is None or fut.done():
             fut = self._first.get(key)
         if fut is not None and not fut.done():
@@ -294,8 +336,13 @@ class GatewayClient:
         if key not in self._sent:  # another gateway's request on a shared topic
             self.stats["decisions_ignored"] += 1
             return
+        if key in self._abandoned:
+            self.stats["late_after_cancel"] += 1
+            return
         # Ours, but nobody waits: a queue follow-up before `follow_up` is called, or a late reply.
         self.stats["decisions_received"] += 1
+        if queued and key in self._unclaimed:  # keep the final decision, not a re-sent queued one
+            return
         self._unclaimed[key] = decision
         self._unclaimed.move_to_end(key)
         while len(self._unclaimed) > self._max_unclaimed:

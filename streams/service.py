@@ -42,6 +42,7 @@ from .kafka_security import KafkaSecurity
 from .core_store import INPUTS as INPUTS_KEY, CoreStore
 from .persistence import SEP
 from .persistence import key as pkey
+from .reply_to import reply_to_problem
 from .router import Router
 from .scan_kernel import warm_up as warm_up_scan_kernel
 
@@ -140,6 +141,10 @@ INPUTS = {
     completions_topic.get_topic_name(): ("Completion",),
     config_topic.get_topic_name(): ("ConfigChange",),
 }
+# The order in which one fetch's records of the inputs are appended: a request before a completion
+# or cancel fetched with it (a gateway that gives up on a request cancels it at once), a
+# registration before the requests it can serve.
+INPUT_ORDER = {topic: i for i, topic in enumerate(INPUTS)}
 faust_consumer.install(rewind=lambda tp: tp == LEASE)
 
 # The routing core's state, key by key (streams/persistence.py), checkpointed, with the deltas of
@@ -203,6 +208,10 @@ def checked(topic: str, key: bytes | None, raw: bytes | None) -> tuple[str, dict
         pid = record.get("provider_id") or ""
         if key is None or key.decode("utf-8", "replace") != pid:
             return None, ("key_mismatch", f"key {key!r} != provider_id {pid!r}")
+    elif name == "RouteRequest" and record.get("reply_to"):
+        problem = reply_to_problem(record["reply_to"], TOPIC_PREFIX)
+        if problem:
+            return None, ("bad_reply_to", problem)
     return name, record
 
 
@@ -508,7 +517,7 @@ class Active:
     async def _ingest(self, consumer: AIOKafkaConsumer) -> None:
         while True:
             batches = await consumer.getmany(timeout_ms=100, max_records=1000)
-            for tp, records in batches.items():
+            for tp, records in sorted(batches.items(), key=lambda item: INPUT_ORDER[item[0].topic]):
                 for r in records:
                     while self.ahead >= APPEND_AHEAD_MAX:  # backpressure: see APPEND_AHEAD_MAX
                         self.held_back = True

@@ -4,6 +4,8 @@ capacity and drain the queue, an operator's ConfigChange reaches the journal."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 import uuid
 
@@ -105,10 +107,32 @@ def test_route_spread_queue_and_release(world):
                                     timeout=20, what="the unclaimed follow-up")
             late = await gw.follow_up(third["request_id"], 0, timeout=1)
             assert late["outcome"] == "routed" and late["selected_by"] == "queue_drain"
+            await gw.complete({"request_id": third["request_id"], "provider_id": "box-c", "model": CAPPED})
+
+            # A request given up on while the worker is stalled is routed when it resumes, to the
+            # one CAPPED slot; the client's cancel, right behind it, releases that reservation.
+            os.killpg(worker.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(asyncio.TimeoutError):
+                    await gw.route({"request_id": "given-up", "model": CAPPED, "prompt_tokens": 500}, timeout=1.5)
+                assert ("given-up", 0) in gw._abandoned
+                while gw._cancels:  # sent while the worker is stopped: it reads both when it resumes
+                    await asyncio.sleep(0.05)
+            finally:
+                os.killpg(worker.proc.pid, signal.SIGCONT)
+            await asyncio.to_thread(wait_for, lambda: any(
+                n == "Completion" and r["request_id"] == "given-up" and r["status"] == "cancelled"
+                for n, r in journal(bootstrap, prefix)), what="the cancel in the journal")
+            with pytest.raises(ValueError, match="try again as attempt 1"):
+                await gw.route({"request_id": "given-up", "model": CAPPED}, timeout=5)
+            fourth = await gw.route({"model": CAPPED, "prompt_tokens": 500, "max_tokens": 128}, timeout=20)
+            assert (fourth["outcome"], fourth["provider_id"]) == ("routed", "box-c"), fourth
+            await asyncio.to_thread(wait_for, lambda: gw.stats["late_after_cancel"] == 1, timeout=20,
+                                    what="the abandoned request's decision, dropped")
 
     asyncio.run(scenario())
     reservations = read_topic(bootstrap, prefix + "switchyard.reservations")
-    assert len(reservations) == 6 + 3  # one per routed decision, none for a queued one
+    assert len(reservations) == 6 + 3 + 2  # one per routed decision, none for a queued one
     assert read_topic(bootstrap, prefix + "switchyard.decisions") == []  # all went to the private topic
 
 

@@ -136,3 +136,31 @@ def test_the_replication_factor_of_the_topics_it_creates_is_a_setting(kafka_boot
         assert "The target replication factor of 3 cannot be reached" in worker.tail(200)
     finally:
         worker.stop()
+
+
+def test_a_request_naming_a_topic_it_may_not_reply_to_is_dead_lettered(world):
+    bootstrap, prefix, app_id, worker = world
+    worker.start()
+
+    def request(rid: str, reply_to: str) -> tuple[str, str, dict]:
+        return rid, "RouteRequest", {"request_id": rid, "model": "gpt-oss-20b", "prompt_tokens": 100,
+                                     "reply_to": reply_to}
+
+    private = prefix + "switchyard.replies.gw-1"
+    produce_events(bootstrap, prefix + "switchyard.requests", [
+        request("into-journal", prefix + "switchyard.journal"),
+        request("into-changelog", f"{app_id}-core-changelog"),
+        request("illegal-name", prefix + "switchyard.replies/../x"),
+        request("fine", private),
+    ])
+    dead = wait_for(lambda: (d := read_topic(bootstrap, prefix + "switchyard.deadletter")) and len(d) >= 3 and d,
+                    what="3 dead letters")
+    letters = {(x := codec.decode(r.value)[1])["original_key"]: x for r in dead}
+    assert {k: v["reason"] for k, v in letters.items()} == {
+        b"into-journal": "bad_reply_to", b"into-changelog": "bad_reply_to", b"illegal-name": "bad_reply_to"}
+    assert "one of the worker's own topics" in letters[b"into-journal"]["detail"]
+    replies = wait_for(lambda: read_topic(bootstrap, private), what="the good request's decision")
+    assert [codec.decode(r.value)[1]["request_id"] for r in replies] == ["fine"]
+    assert journal_types(bootstrap, prefix + "switchyard.journal") == ["RouteRequest"]
+    assert worker.metric("switchyard_events_dead_lettered_total",
+                         f'reason="bad_reply_to",topic="{prefix}switchyard.requests"') == 3

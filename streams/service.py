@@ -10,7 +10,8 @@ Environment (adapter settings, not routing settings):
   SWITCHYARD_DATADIR       worker data dir with the RocksDB tables (default ./var/worker)
   SWITCHYARD_WEB_PORT      web port for /metrics (default 6066)
   SWITCHYARD_WEB_BIND      interface the web server listens on (default 127.0.0.1: not exposed)
-  SWITCHYARD_APP_ID        consumer group / app id (default switchyard)
+  SWITCHYARD_APP_ID        consumer group / app id, names the table's changelog (default switchyard,
+                           or switchyard-<prefix> with a topic prefix)
   SWITCHYARD_TOPIC_PREFIX  prefix for every topic name (default none; tests isolate with it)
   SWITCHYARD_REPLICATION_FACTOR  replicas of the topics the worker creates (default 1)
   EIGENINFERENCE_*         routing settings; recorded in the journal before the first decision
@@ -81,8 +82,13 @@ def partitioner(key, all_partitions, available):
     return _murmur2_partitioner(key, all_partitions, available)
 
 
+TOPIC_PREFIX = os.environ.get("SWITCHYARD_TOPIC_PREFIX", "")
+# The group and the table's changelog are named after the app id, not the prefix: a deployment
+# with its own prefix gets its own app id unless one is given, or it would load another's state.
+APP_ID = os.environ.get("SWITCHYARD_APP_ID") or ("switchyard-" + TOPIC_PREFIX.rstrip(".") if TOPIC_PREFIX else "switchyard")
+
 app = App(
-    os.environ.get("SWITCHYARD_APP_ID", "switchyard"),
+    APP_ID,
     broker="kafka://" + os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
     broker_credentials=SECURITY.faust_credentials(),
     # RocksDB (rocksdict); the table and store are writable from the lease holder's loop
@@ -108,7 +114,6 @@ app = App(
 
 
 BOOTSTRAP = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
-TOPIC_PREFIX = os.environ.get("SWITCHYARD_TOPIC_PREFIX", "")
 
 
 def _topic(name: str, **kw):
@@ -300,7 +305,9 @@ class ReplyTopics:
         self.dirty: set[tuple[str, int]] = set()
 
     def note(self, name: str, record: dict) -> None:
-        if name == "RouteRequest" and record.get("reply_to"):
+        # An entry appended before ingest checked reply_to may name any topic: its decisions go to
+        # the default one, since a send to an illegal name would fail the entry at every retry.
+        if name == "RouteRequest" and record.get("reply_to") and not reply_to_problem(record["reply_to"], TOPIC_PREFIX):
             k = (record.get("request_id"), record.get("attempt"))
             self.by_request[k] = record["reply_to"]
             self.dirty.add(k)
@@ -435,6 +442,11 @@ class Batch:
     first: int | None = None
     outputs: list = field(default_factory=list)      # [(offset, [(topic, key, value)])]
     futures: list = field(default_factory=list)
+
+
+class ForeignState(RuntimeError):
+    """The table holds state this journal cannot have produced: applying on top of it would skip
+    or misapply entries. The loop is not restarted (supervise)."""
 
 
 class Active:
@@ -663,13 +675,19 @@ class Active:
     # -- the whole loop --------------------------------------------------------------------------
     async def _load(self) -> None:
         global router
-        router, outbox, extra = store.load()
+        loaded, outbox, extra = store.load()
+        inputs = dict(extra.get(INPUTS_KEY) or {})
+        foreign = sorted({k.rsplit(SEP, 1)[0] for k in inputs} - set(INPUTS))
+        if foreign:
+            raise ForeignState(f"the table ({APP_ID}-core-changelog) holds the state of a deployment that read "
+                               f"{foreign}, not this one's inputs: give each deployment its own "
+                               f"SWITCHYARD_APP_ID (it names the group and the table's changelog)")
+        router, self.inputs = loaded, inputs
         reply_topics.by_request.clear()
         for k, v in extra.items():
             if k.startswith("reply" + SEP):
                 _, rid, attempt = k.split(SEP)
                 reply_topics.by_request[(rid, int(attempt))] = v
-        self.inputs = dict(extra.get(INPUTS_KEY) or {})
         self.unflushed.clear()
         app.log.info("router: state loaded at journal offset %s; %s entries' outputs to re-send",
                      router.offset, len(outbox))
@@ -696,6 +714,7 @@ class Active:
         await self.append(codec.encode("ConfigChange", change), "ConfigChange", change)
 
     async def _run(self) -> None:
+        global router
         self.acks, self.append_lock, self.busy = asyncio.Queue(), asyncio.Lock(), False
         self.ahead, self.room = 0, asyncio.Event()
         if self.save_due is not None:  # a restart: what the last run applied and did not save is
@@ -711,6 +730,11 @@ class Active:
             await self.journal.start()
             self.journal.assign([JOURNAL])
             end = (await self.journal.end_offsets([JOURNAL]))[JOURNAL]
+            if router.offset >= end:
+                router = Router()  # what /metrics shows is not another journal's
+                raise ForeignState(f"the table's state is at journal offset {router.offset}, but "
+                                   f"{JOURNAL.topic} ends before {end}: it is another journal's state (a "
+                                   f"journal deleted and made again?); give this one its own SWITCHYARD_APP_ID")
             batch = Batch()
             await self._read_journal(end, batch)
             await self._save(batch)
@@ -769,8 +793,11 @@ async def supervise() -> None:
         await asyncio.sleep(0.1)
         if active.task is not None and active.task.done():
             exc = active.task.exception() if not active.task.cancelled() else None
-            app.log.error("router: loop stopped (%r); restarting from the table", exc)
             CORE_ERRORS.labels(f"loop_{type(exc).__name__}").inc()
+            if isinstance(exc, ForeignState):
+                app.log.critical("router: not routing: %s", exc)
+                return  # the task stays done: nothing restarts it
+            app.log.error("router: loop stopped (%r); restarting from the table", exc)
             active.task = None
             await asyncio.sleep(1.0)
             continue

@@ -164,3 +164,28 @@ def test_a_request_naming_a_topic_it_may_not_reply_to_is_dead_lettered(world):
     assert journal_types(bootstrap, prefix + "switchyard.journal") == ["RouteRequest"]
     assert worker.metric("switchyard_events_dead_lettered_total",
                          f'reason="bad_reply_to",topic="{prefix}switchyard.requests"') == 3
+
+
+def test_a_deployment_with_its_own_prefix_gets_its_own_state_and_a_shared_one_is_refused(kafka_bootstrap, tmp_path):
+    tag = uuid.uuid4().hex[:8]
+    first = Worker(kafka_bootstrap, tmp_path / "first", "", f"one{tag}.")  # no app id: derived from the prefix
+    try:
+        first.start()
+        produce_events(kafka_bootstrap, f"one{tag}.switchyard.providers",
+                       [(p, "ProviderRegistered", registration(p)) for p in ("box-a", "box-b")])
+        rows = wait_for(lambda: (r := table_rows(kafka_bootstrap, f"switchyard-one{tag}")) and len(r) == 2 and r,
+                        what="the state in switchyard-<prefix>-core-changelog")
+        assert set(rows) == {"box-a", "box-b"}
+    finally:
+        first.stop()
+
+    # Another deployment (prefix) given the first one's app id would load its state: it refuses.
+    second = Worker(kafka_bootstrap, tmp_path / "second", f"switchyard-one{tag}", f"two{tag}.")
+    try:
+        second.start()
+        wait_for(lambda: "router: not routing: the table" in second.tail(400), what="the refusal")
+        assert f"one{tag}.switchyard.providers" in second.tail(400)
+        assert second.metric("switchyard_core_errors_total", 'error="loop_ForeignState"') == 1
+        assert second.metric("switchyard_providers_online") == 0
+    finally:
+        second.stop()

@@ -141,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
         "set", parents=[common], help="publish a ConfigChange patch",
         description="Publish a ConfigChange: each NAME=VALUE replaces that setting, NAME= (empty) "
                     "resets it to its default, settings not named stay as they are. NAME may omit the "
-                    "EIGENINFERENCE_ prefix. Values are checked before anything is sent.",
+                    "EIGENINFERENCE_ prefix. Values are checked before anything is sent. A change lasts "
+                    "until the next one, across worker restarts, unless a worker starts with other "
+                    "EIGENINFERENCE_* settings in its environment (its own then replace all).",
         epilog="Settings: " + ", ".join(NAMES))
     cset.add_argument("assignments", nargs="+", metavar="NAME=VALUE")
     cset.add_argument("--author", default=_default_author(), help="recorded with the change")

@@ -254,7 +254,8 @@ class CoreStore:
 
 
 def _adapter_key(k: str) -> bool:
-    return k.startswith("reply" + SEP) or k == INPUTS
+    return k.startswith("reply" + SEP) or k in (INPUTS, WORKER_SETTINGS)
 
 
 INPUTS = "inputs"  # the adapter's input positions: {"topic<SEP>partition": offset of the last appended}
+WORKER_SETTINGS = "worker_settings"  # the settings the last worker recorded at its start

@@ -40,7 +40,7 @@ from . import codec, faust_consumer, faust_table
 from .config import Config
 from .journal_topic import JOURNAL_CONFIG, journal_config_problem, topic_config
 from .kafka_security import KafkaSecurity
-from .core_store import INPUTS as INPUTS_KEY, CoreStore
+from .core_store import INPUTS as INPUTS_KEY, WORKER_SETTINGS, CoreStore
 from .persistence import SEP
 from .persistence import key as pkey
 from .reply_to import reply_to_problem
@@ -444,6 +444,14 @@ class Batch:
     futures: list = field(default_factory=list)
 
 
+START_AUTHOR = "worker {} at start"  # the author of the ConfigChange a worker appends at its start
+
+
+def is_start_record(record: dict) -> bool:
+    author = record.get("author") or ""
+    return author.startswith("worker ") and author.endswith(" at start")
+
+
 class ForeignState(RuntimeError):
     """The table holds state this journal cannot have produced: applying on top of it would skip
     or misapply entries. The loop is not restarted (supervise)."""
@@ -480,6 +488,8 @@ class Active:
         self.held_back = False                              # ingest waited for room since the last save
         self.inputs: dict[str, int] = {}                    # "topic<SEP>partition" -> last appended
         self.inputs_changed = False
+        self.worker_settings: dict | None = None            # recorded by the last worker at its start
+        self.worker_settings_changed = False
         self.unflushed: deque = deque()                     # (last offset, futures) per saved batch
         self.flushed = -1
 
@@ -577,6 +587,9 @@ class Active:
             CORE_ERRORS.labels(type(exc).__name__).inc()
             router.offset = offset
             return
+        if name == "ConfigChange" and is_start_record(record) and not any(k == "DeadLetter" for k, _ in outputs):
+            self.worker_settings = {k: v for k, v in record["settings"].items() if v != ""}
+            self.worker_settings_changed = True
         messages = encode_outputs_safely(outputs, (offset, entry_ms, key, raw))
         for topic, k, data in messages:
             batch.futures.append(await send_raw(topic, k, data))
@@ -626,6 +639,9 @@ class Active:
         if self.inputs_changed:
             extra[INPUTS_KEY] = dict(self.inputs)
             self.inputs_changed = False
+        if self.worker_settings_changed:
+            extra[WORKER_SETTINGS] = dict(self.worker_settings)
+            self.worker_settings_changed = False
         store.save_batch(router, batch.first, router.offset, batch.outputs, extra, self.flushed, defer=True)
         self.unflushed.append((router.offset, batch.futures))
         while store.write_owed(CHECKPOINT_SLICE):  # a big batch owes hundreds of checkpoint writes
@@ -683,6 +699,7 @@ class Active:
                                f"{foreign}, not this one's inputs: give each deployment its own "
                                f"SWITCHYARD_APP_ID (it names the group and the table's changelog)")
         router, self.inputs = loaded, inputs
+        self.worker_settings, self.worker_settings_changed = extra.get(WORKER_SETTINGS), False
         reply_topics.by_request.clear()
         for k, v in extra.items():
             if k.startswith("reply" + SEP):
@@ -701,16 +718,27 @@ class Active:
             self.unflushed.append((router.offset, futures))
 
     async def _record_config(self) -> None:
-        """A worker whose settings differ from the last recorded ones appends a ConfigChange (rules
-        §3) before deciding anything: a full patch, so the recorded config becomes exactly this
-        worker's."""
+        """A worker whose settings (its environment) differ from the ones the last worker recorded
+        at its start appends a ConfigChange (rules §3) before deciding anything: a full patch, so
+        the recorded config becomes exactly this worker's. With the same settings it appends
+        nothing, so what operators changed since, on the config topic, survives a restart or a
+        failover. Before any worker recorded its settings (a journal from before this rule), the
+        comparison is with the recorded config."""
+        mine = dict(worker_config.raw)
         recorded = dict(router.config.raw) if router.counters.get("config_changes") else None
-        if recorded == dict(worker_config.raw):
+        last_start = self.worker_settings if self.worker_settings is not None else recorded
+        if last_start == mine:
+            if recorded != mine:
+                app.log.info("router: settings as the last worker recorded them; kept the changes "
+                             "made on the config topic since (config id %s)", router.config.config_id)
             return
         patch = {name: "" for name in recorded or {}}
-        patch.update(worker_config.raw)
+        patch.update(mine)
         change = {"config_id": worker_config.config_id, "settings": patch, "changed_at_ms": wall_ms(),
-                  "author": f"worker {app.conf.id} at start"}
+                  "author": START_AUTHOR.format(app.conf.id)}
+        if self.worker_settings is not None and recorded not in (None, self.worker_settings):
+            app.log.warning("router: this worker's settings replace the recorded ones, changes made "
+                            "on the config topic included: %s", sorted(set(recorded.items()) - set(mine.items())))
         await self.append(codec.encode("ConfigChange", change), "ConfigChange", change)
 
     async def _run(self) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import uuid
 
 import pytest
@@ -189,3 +190,46 @@ def test_a_deployment_with_its_own_prefix_gets_its_own_state_and_a_shared_one_is
         assert second.metric("switchyard_providers_online") == 0
     finally:
         second.stop()
+
+
+def test_a_restart_keeps_live_setting_changes_and_a_worker_with_new_settings_records_them(world, tmp_path):
+    bootstrap, prefix, app_id, worker = world
+    worker.extra_env = {"EIGENINFERENCE_QUEUE_MAX_DEPTH": "7"}
+    journal = prefix + "switchyard.journal"
+
+    def config_changes() -> list[dict]:
+        return [r for n, r in (codec.decode(x.value) for x in read_topic(bootstrap, journal)) if n == "ConfigChange"]
+
+    def decided(rid: str) -> dict:
+        produce_events(bootstrap, prefix + "switchyard.requests", [(rid, "RouteRequest", {
+            "request_id": rid, "model": "gpt-oss-20b", "prompt_tokens": 100})])
+        return wait_for(lambda: next((d for d in (codec.decode(r.value)[1] for r in read_topic(
+            bootstrap, prefix + "switchyard.decisions")) if d["request_id"] == rid), None), what=f"{rid} decided")
+
+    worker.start()
+    start = decided("r-start")
+    (first,) = config_changes()
+    assert first["author"].endswith(" at start") and first["settings"] == {"EIGENINFERENCE_QUEUE_MAX_DEPTH": "7"}
+    produce_events(bootstrap, prefix + "switchyard.config", [("default", "ConfigChange", {
+        "config_id": "", "settings": {"EIGENINFERENCE_SATISFICING_BAND": "true"}, "changed_at_ms": 1,
+        "author": "operator"})])
+    live = wait_for(lambda: (d := decided(f"r-live-{len(config_changes())}"))["config_id"] != start["config_id"] and d,
+                    what="a decision under the live change")
+
+    worker.stop(signal.SIGKILL)  # a crash: the same settings come back, the live change stays
+    worker.start()
+    assert decided("r-after-crash")["config_id"] == live["config_id"]
+    assert [c["author"] for c in config_changes()] == [first["author"], "operator"]
+
+    worker.stop()
+    redeployed = Worker(bootstrap, worker.datadir, app_id, prefix, env={"EIGENINFERENCE_QUEUE_MAX_DEPTH": "8"})
+    try:
+        redeployed.start()  # new settings: recorded, as a full patch that ends the live change
+        after = decided("r-redeployed")
+        last = config_changes()[-1]
+        assert last["author"].endswith(" at start") and last["settings"] == {
+            "EIGENINFERENCE_QUEUE_MAX_DEPTH": "8", "EIGENINFERENCE_SATISFICING_BAND": ""}
+        assert after["config_id"] not in (start["config_id"], live["config_id"])
+        assert "EIGENINFERENCE_SATISFICING_BAND" in redeployed.tail(400)  # the warning names what it ends
+    finally:
+        redeployed.stop()

@@ -19,12 +19,13 @@ import argparse
 import json
 import sys
 
+from streams.config import Config, ConfigError
 from streams.jsonl import write_record
 
 from . import audit as audit_mod
 from .child_process import WriteInChild
 from . import explain as explain_mod
-from .run import batch_gc, decisions
+from .run import batch_gc, decisions, replay
 from .sources import JournalIncomplete, JournalStream, KafkaJournal, container_schema, kafka_decisions, kafka_records
 
 
@@ -57,6 +58,8 @@ def cmd_run(args) -> int:
             n += 1
     note = f"; skipped lines: {dict(entries.skipped)}" if entries.skipped else ""
     print(f"{n} decisions from {entries.count} journal entries{note}", file=sys.stderr)
+    if entries.count == 0:
+        return _refuse("the journal has no entries (the wrong --topic, or the wrong file?)")
     return 0
 
 
@@ -85,8 +88,8 @@ def cmd_export(args) -> int:
                     container.write({"journal_offset": rec.offset, "journal_time_ms": rec.timestamp,
                                      "event": (f"switchyard.{name}", value)})
                 n += 1
-            if args.decisions_topic:
-                for d in kafka_decisions(args.bootstrap, args.decisions_topic):
+            for topic in args.decisions_topic or ():
+                for d in kafka_decisions(args.bootstrap, topic):
                     write_record(fp, "RouteDecision", d)
         if container:
             container.flush()
@@ -98,14 +101,40 @@ def cmd_export(args) -> int:
 
 
 def cmd_audit(args) -> int:
+    if args.decisions_topic and not args.bootstrap:
+        return _refuse("--decisions-topic needs --bootstrap (the broker to read it from)")
     entries = _source(args)
     if entries.recorded is None and not args.decisions_topic:
-        sys.exit("no recorded decisions: give a journal file with RouteDecision lines or --decisions-topic")
-    replayed = list(decisions(entries))  # a file's recorded decisions are complete after this
-    recorded = kafka_decisions(args.bootstrap, args.decisions_topic) if args.decisions_topic else entries.recorded
+        return _refuse("no recorded decisions: give a journal file with RouteDecision lines or --decisions-topic")
+    last = -1
+    replayed = []
+    for entry, outputs in replay(entries):  # a file's recorded decisions are complete after this
+        last = entry.journal_offset
+        replayed += [record for kind, record in outputs if kind == "RouteDecision"]
+    if entries.count == 0:
+        return _refuse("the journal has no entries: nothing to audit")
+    if args.decisions_topic:
+        recorded = [d for topic in args.decisions_topic for d in kafka_decisions(args.bootstrap, topic)]
+    elif not entries.recorded:
+        return _refuse("the journal file has no RouteDecision lines to compare with: export it with "
+                       "--decisions-topic, or give --bootstrap and --decisions-topic")
+    else:
+        recorded = entries.recorded
+    later = [d for d in recorded if d["journal_offset"] > last]  # decided on entries not replayed
+    if later:
+        recorded = [d for d in recorded if d["journal_offset"] <= last]
+        print(f"{len(later)} recorded decisions of entries after the journal's last replayed offset {last}: "
+              "not compared", file=sys.stderr)
+    if entries.skipped:
+        print(f"skipped lines: {dict(entries.skipped)}", file=sys.stderr)
     report = audit_mod.compare(recorded, replayed)
     print(report.summary())
     return 0 if report.ok else 1
+
+
+def _refuse(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
 
 
 def cmd_explain(args) -> int:
@@ -123,14 +152,20 @@ def cmd_whatif(args) -> int:
 
     from .report import compare_runs, write_report
     from .whatif import what_if
-    entries = list(_source(args))  # two passes: the recorded run, then the what-if
     settings = {}
     for item in args.set or []:
         name, sep, value = item.partition("=")
         if not sep:
-            sys.exit(f"--set wants NAME=VALUE, got {item!r}")
+            return _refuse(f"--set wants NAME=VALUE, got {item!r}")
         name = name if name.startswith("EIGENINFERENCE_") else "EIGENINFERENCE_" + name
         settings[name] = value
+    try:
+        Config().patched(settings)  # before the journal is read: refused as the router would
+    except ConfigError as e:
+        return _refuse(f"--set refused: {e}")
+    entries = list(_source(args))  # two passes: the recorded run, then the what-if
+    if not entries:
+        return _refuse("the journal has no entries (the wrong --topic, or the wrong file?)")
     with tqdm(total=2 * len(entries), unit="entry", desc="what-if", disable=args.quiet) as bar:
         result = what_if(entries, settings, progress=bar)
     comparison = compare_runs(result.recorded.decisions, result.whatif.decisions, result.providers)
@@ -165,13 +200,15 @@ def main(argv=None) -> int:
     p.add_argument("--start-ms", type=int, help="first entry at or after this time (ms since epoch)")
     p.add_argument("--end-ms", type=int, help="stop at entries at or after this time")
     p.add_argument("--out", required=True, help="JSON Lines file")
-    p.add_argument("--decisions-topic", help="also copy the recorded decisions (for a standalone audit)")
+    p.add_argument("--decisions-topic", action="append",
+                   help="also copy the recorded decisions of this topic (for a standalone audit; repeatable)")
     p.add_argument("--avro", help="also write an Avro object container file")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("audit", help="re-run a journal and compare every decision with the recorded one")
     _add_source_args(p)
-    p.add_argument("--decisions-topic", help="read the recorded decisions from this topic")
+    p.add_argument("--decisions-topic", action="append",
+                   help="read the recorded decisions from this topic (repeatable: private reply topics too)")
     p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("explain", help="why a request went where it went (or was rejected)")
@@ -194,8 +231,9 @@ def main(argv=None) -> int:
     try:
         return args.func(args)
     except JournalIncomplete as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _refuse(str(e))
+    except OSError as e:  # a journal file that is not there, a directory, unreadable
+        return _refuse(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
 
 
 if __name__ == "__main__":

@@ -120,3 +120,38 @@ def test_a_journal_file_is_read_as_it_is_replayed(tmp_path):
         assert stream.count == 1
         total = 1 + sum(1 for _ in entries)
         assert stream.count == total > 1
+
+
+def test_audit_refuses_what_it_cannot_compare_instead_of_passing_or_failing_it(tmp_path):
+    bare = tmp_path / "no-decisions.jsonl"  # as `export` writes without --decisions-topic
+    bare.write_text((EXAMPLES / "dedicated-cap-sheds.jsonl").read_text())
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for args, says in ([bare], "no RouteDecision lines"), ([empty], "no entries"), \
+            ([bare, "--decisions-topic", "switchyard.decisions"], "--decisions-topic needs --bootstrap"):
+        res = replay("audit", "--journal", *args, check=False)
+        assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_audit_of_a_journal_cut_short_compares_the_decisions_of_the_entries_it_has(tmp_path):
+    journal = _journal_with_decisions(tmp_path, "dedicated-cap-sheds")
+    rows = journal.read_text().splitlines()
+    inputs = [r for r in rows if '"RouteDecision"' not in r]
+    recorded = [r for r in rows if '"RouteDecision"' in r]
+    cut = tmp_path / "cut.jsonl"  # the last input (a request) gone; all its decisions still there
+    cut.write_text("\n".join(inputs[:-1] + recorded) + "\n")
+    res = replay("audit", "--journal", cut)
+    assert "AUDIT OK" in res.stdout and "identical: 3" in res.stdout
+    assert "1 recorded decisions of entries after the journal's last replayed offset" in res.stderr
+
+
+def test_replay_commands_say_what_is_wrong_without_a_traceback(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    for args, says in (["run", "--journal", tmp_path / "missing.jsonl"], "No such file"),  \
+            (["run", "--journal", empty], "no entries"), \
+            (["what-if", "--journal", tmp_path / "missing.jsonl", "--set", "NO_SUCH=1"], "--set refused"), \
+            (["what-if", "--journal", EXAMPLES / "queue-timeout.jsonl", "--set", "QUEUE_MAX_DEPTH=abc"],
+             "--set refused"):
+        res = replay(*args, check=False)
+        assert res.returncode == 2 and says in res.stderr and "Traceback" not in res.stderr, (args, res.stderr)

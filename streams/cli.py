@@ -18,10 +18,13 @@ import os
 import socket
 import sys
 
+from aiokafka.errors import KafkaError
+
+from . import codec
 from .client import DECISIONS, GatewayClient, normalise_settings, publish_config, read_decisions
 from .config import NAMES, ConfigError
 
-EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE = 0, 1, 2  # 1 also: the broker or a topic not there
 
 
 def _print(record: dict) -> None:
@@ -36,7 +39,13 @@ async def cmd_route(args) -> int:
         request["request_id"] = args.request_id
     if args.account:
         request["account_id"] = args.account
-    async with GatewayClient(args.bootstrap, topic_prefix=args.topic_prefix, reply_topic=args.reply_topic) as gw:
+    try:
+        gateway = GatewayClient(args.bootstrap, topic_prefix=args.topic_prefix, reply_topic=args.reply_topic)
+        codec.encode("RouteRequest", gateway.fill_request(request))  # checked before anything is sent
+    except ValueError as e:  # a CodecError too
+        print(f"refused: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    async with gateway as gw:
         try:
             decision = await gw.route(request, timeout=args.timeout)
         except asyncio.TimeoutError:
@@ -109,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m streams.cli",
         description=__doc__.split("Owns")[0].strip(),
-        epilog="Exit status: 0 ok, 1 no decision in time, 2 bad arguments or settings.",
+        epilog="Exit status: 0 ok, 1 no decision in time (or no broker, or no such topic), 2 bad "
+               "arguments, settings or request fields.",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_common(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -128,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("--exclude", action="append", metavar="PROVIDER", help="never these providers (repeat)")
     route.add_argument("--request-id", help="request id (default: a new uuid)")
     route.add_argument("--reply-topic", help="reply topic (default: <prefix>switchyard.decisions)")
-    route.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the decision (10)")
-    route.add_argument("--queue-timeout", type=float, default=60.0,
+    route.add_argument("--timeout", type=positive, default=10.0, help="seconds to wait for the decision (10)")
+    route.add_argument("--queue-timeout", type=positive, default=60.0,
                        help="seconds to wait for a queued request's second decision (60)")
     route.add_argument("--no-wait", action="store_true", help="do not wait for a queued request's second decision")
     route.set_defaults(run=cmd_route)
@@ -153,12 +163,19 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Print RouteDecisions as JSON lines as they are published.")
     tail.add_argument("what", choices=["decisions"], help="what to tail")
     tail.add_argument("--from-beginning", action="store_true", help="start at the topic's first record")
-    tail.add_argument("--limit", type=int, help="stop after N decisions")
-    tail.add_argument("--idle-exit", type=float, metavar="SECONDS",
+    tail.add_argument("--limit", type=lambda v: int(positive(v)), help="stop after N decisions")
+    tail.add_argument("--idle-exit", type=positive, metavar="SECONDS",
                       help="stop when nothing arrived for SECONDS (default: follow until Ctrl-C)")
     tail.add_argument("--topic", help="read this topic instead (e.g. a gateway's private reply topic)")
     tail.set_defaults(run=cmd_tail)
     return parser
+
+
+def positive(value: str) -> float:
+    number = float(value)
+    if not number > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be above 0, got {value}")
+    return number
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(args.run(args))
     except KeyboardInterrupt:
         return EXIT_OK
+    except (KafkaError, RuntimeError) as e:  # the broker unreachable, a topic that is not there
+        print(f"error: {e} (bootstrap {args.bootstrap}, topic prefix {args.topic_prefix!r})", file=sys.stderr)
+        return EXIT_TIMEOUT
 
 
 if __name__ == "__main__":

@@ -239,8 +239,15 @@ PREFILL_SHADOW = Counter("switchyard_prefill_fallback_shadow_total",
                          "Prefill-fallback shadow verdicts", ["decision", "gate"], registry=registry)
 BAND_SELECTIONS = Counter("switchyard_band_selections_total", "Decisions picked by the satisficing band",
                           registry=registry)
-JOURNAL_LAG = Gauge("switchyard_journal_lag_seconds", "Wall time minus the last applied entry's time",
-                    registry=registry)
+JOURNAL_LAG = Gauge("switchyard_journal_lag_seconds", "Wall time minus the last applied entry's time, "
+                    "at the scrape (Ticks keep it near the tick interval while the loop runs; it grows "
+                    "when the loop is stuck)", registry=registry)
+# A request's sent_at_ms is the gateway's clock: 0 (unset), skewed or replayed ones are counted, not
+# observed, so one request cannot move the request_sent histogram's sum for the life of the process.
+SENT_AT_SKEW_S, SENT_AT_MAX_AGE_S = 5.0, 3600.0
+SENT_AT_UNUSABLE = Counter("switchyard_request_sent_at_unusable_total",
+                           "Decided requests whose sent_at_ms is unset, over 5 s ahead or over an hour "
+                           "old: left out of the request_sent latency", registry=registry)
 REPLAYED = Counter("switchyard_journal_entries_replayed_total",
                    "Entries applied as read from the journal (after the tables' state at start, or "
                    "appended by another worker), not on their append's acknowledgement",
@@ -384,7 +391,11 @@ def observe(outputs: list, entry_time_ms: int, request: dict | None) -> None:
             decisions(record["outcome"], record["reason"] or "").inc()
             SINCE_APPEND.observe(max(0.0, now - entry_time_ms / 1000))
             if request is not None and request.get("request_id") == record["request_id"]:
-                SINCE_SENT.observe(max(0.0, now - request["sent_at_ms"] / 1000))
+                since_sent = now - request["sent_at_ms"] / 1000  # the gateway's clock: may be anything
+                if request["sent_at_ms"] > 0 and -SENT_AT_SKEW_S < since_sent < SENT_AT_MAX_AGE_S:
+                    SINCE_SENT.observe(max(0.0, since_sent))
+                else:
+                    SENT_AT_UNUSABLE.inc()
             if record["selected_by"] == "band":
                 BAND_SELECTIONS.inc()
         elif kind == "Tripwire":
@@ -488,6 +499,7 @@ class Active:
         self.held_back = False                              # ingest waited for room since the last save
         self.inputs: dict[str, int] = {}                    # "topic<SEP>partition" -> last appended
         self.inputs_changed = False
+        self.last_entry_ms: int | None = None               # the journal time of the last applied entry
         self.worker_settings: dict | None = None            # recorded by the last worker at its start
         self.worker_settings_changed = False
         self.unflushed: deque = deque()                     # (last offset, futures) per saved batch
@@ -596,7 +608,7 @@ class Active:
         batch.outputs.append((offset, messages))
         observe(outputs, entry_ms, record if name == "RouteRequest" else None)
         applied(name).inc()
-        JOURNAL_LAG.set(max(0.0, time.time() - entry_ms / 1000))
+        self.last_entry_ms = entry_ms
 
     async def _read_journal(self, until: int, batch: Batch) -> None:
         """Apply the journal entries from router.offset + 1 up to (excluding) `until`, read from the
@@ -797,6 +809,8 @@ class Active:
 
 
 active = Active()
+JOURNAL_LAG.set_function(lambda: max(0.0, time.time() - active.last_entry_ms / 1000)
+                         if active.applying and active.last_entry_ms is not None else 0.0)
 
 
 @app.agent(lease_topic, name="lease")

@@ -233,3 +233,17 @@ def test_a_restart_keeps_live_setting_changes_and_a_worker_with_new_settings_rec
         assert "EIGENINFERENCE_SATISFICING_BAND" in redeployed.tail(400)  # the warning names what it ends
     finally:
         redeployed.stop()
+
+
+def test_a_request_with_an_unusable_sent_at_is_counted_not_timed(world):
+    bootstrap, prefix, app_id, worker = world
+    worker.start()
+    produce_events(bootstrap, prefix + "switchyard.requests", [
+        ("unset", "RouteRequest", {"request_id": "unset", "model": "gpt-oss-20b", "prompt_tokens": 100, "sent_at_ms": 0}),
+        ("future", "RouteRequest", {"request_id": "future", "model": "gpt-oss-20b", "prompt_tokens": 100,
+                                    "sent_at_ms": 4_000_000_000_000}),
+    ])
+    wait_for(lambda: worker.metric("switchyard_request_sent_at_unusable_total") == 2, what="both counted")
+    assert worker.metric("switchyard_decision_latency_seconds_count", 'since="request_sent"') == 0
+    assert worker.metric("switchyard_decision_latency_seconds_count", 'since="journal_append"') == 2
+    assert 0 < worker.metric("switchyard_journal_lag_seconds") < 30  # read at the scrape: Ticks keep it fresh

@@ -21,6 +21,7 @@ import sys
 
 from streams.config import Config, ConfigError
 from streams.jsonl import write_record
+from streams.kafka_security import KafkaSecurity, KafkaSecurityError
 
 from . import audit as audit_mod
 from .child_process import WriteInChild
@@ -37,7 +38,8 @@ def _source(args):
         return JournalStream(args.journal)
     if not args.bootstrap:
         sys.exit("give --journal FILE or --bootstrap HOST:PORT")
-    return KafkaJournal(args.bootstrap, args.topic, args.partition, end=args.end_offset, from_first=True)
+    return KafkaJournal(args.bootstrap, args.topic, args.partition, end=args.end_offset, from_first=True,
+                        security=args.security)
 
 
 def _add_source_args(p, journal_required=False):
@@ -67,7 +69,8 @@ def cmd_export(args) -> int:
     from fastavro.write import Writer
     from streams import codec
     records = kafka_records(args.bootstrap, args.topic, args.partition, start=args.start_offset,
-                            end=args.end_offset, start_ms=args.start_ms, end_ms=args.end_ms)
+                            end=args.end_offset, start_ms=args.start_ms, end_ms=args.end_ms,
+                            security=args.security)
     avro = open(args.avro, "wb") if args.avro else None
     n, first = 0, True
     try:
@@ -89,7 +92,7 @@ def cmd_export(args) -> int:
                                      "event": (f"switchyard.{name}", value)})
                 n += 1
             for topic in args.decisions_topic or ():
-                for d in kafka_decisions(args.bootstrap, topic):
+                for d in kafka_decisions(args.bootstrap, topic, args.security):
                     write_record(fp, "RouteDecision", d)
         if container:
             container.flush()
@@ -114,7 +117,7 @@ def cmd_audit(args) -> int:
     if entries.count == 0:
         return _refuse("the journal has no entries: nothing to audit")
     if args.decisions_topic:
-        recorded = [d for topic in args.decisions_topic for d in kafka_decisions(args.bootstrap, topic)]
+        recorded = [d for topic in args.decisions_topic for d in kafka_decisions(args.bootstrap, topic, args.security)]
     elif not entries.recorded:
         return _refuse("the journal file has no RouteDecision lines to compare with: export it with "
                        "--decisions-topic, or give --bootstrap and --decisions-topic")
@@ -229,7 +232,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     batch_gc()
     try:
+        args.security = KafkaSecurity.from_env()  # for --bootstrap: KAFKA_SECURITY_PROTOCOL, ... (docs/security.md)
         return args.func(args)
+    except KafkaSecurityError as e:
+        return _refuse(str(e))
     except JournalIncomplete as e:
         return _refuse(str(e))
     except OSError as e:  # a journal file that is not there, a directory, unreadable

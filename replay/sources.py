@@ -14,6 +14,8 @@ from typing import Iterable, Iterator
 from fastavro import parse_schema, reader as avro_reader
 
 from streams import codec
+from streams.client import auth
+from streams.kafka_security import KafkaSecurity
 from streams.jsonl import JournalEntry, read_journal
 from streams.router import OUTPUT_TYPES
 
@@ -111,10 +113,11 @@ class JournalStream:
 
 
 async def _kafka_batches(bootstrap: str, topic: str, partition: int, start: int | None, end: int | None,
-                         start_ms: int | None = None, end_ms: int | None = None, from_first: bool = False):
+                         start_ms: int | None = None, end_ms: int | None = None, from_first: bool = False,
+                         security: KafkaSecurity | None = None):
     from aiokafka import AIOKafkaConsumer, TopicPartition
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
-                                auto_offset_reset="earliest")
+                                auto_offset_reset="earliest", **auth(security))
     await consumer.start()
     try:
         tp = TopicPartition(topic, partition)
@@ -142,11 +145,11 @@ async def _kafka_batches(bootstrap: str, topic: str, partition: int, start: int 
 
 def kafka_records(bootstrap: str, topic: str, partition: int = 0, start: int | None = None,
                   end: int | None = None, start_ms: int | None = None, end_ms: int | None = None,
-                  from_first: bool = False) -> Iterator:
+                  from_first: bool = False, security: KafkaSecurity | None = None) -> Iterator:
     """The records of a topic partition (optionally between offsets or times), fetched in batches
     as they are consumed. `from_first`: raise JournalIncomplete if its first records were deleted."""
     loop = asyncio.new_event_loop()
-    batches = _kafka_batches(bootstrap, topic, partition, start, end, start_ms, end_ms, from_first)
+    batches = _kafka_batches(bootstrap, topic, partition, start, end, start_ms, end_ms, from_first, security)
     try:
         while True:
             try:
@@ -187,9 +190,9 @@ class KafkaJournal:
             yield entry
 
 
-def kafka_decisions(bootstrap: str, topic: str) -> list[dict]:
+def kafka_decisions(bootstrap: str, topic: str, security: KafkaSecurity | None = None) -> list[dict]:
     out = []
-    for rec in kafka_records(bootstrap, topic, 0):
+    for rec in kafka_records(bootstrap, topic, 0, security=security):
         try:
             name, value = codec.decode(rec.value)
         except codec.CodecError:

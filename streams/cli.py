@@ -23,6 +23,7 @@ from aiokafka.errors import KafkaError
 from . import codec
 from .client import DECISIONS, GatewayClient, normalise_settings, publish_config, read_decisions
 from .config import NAMES, ConfigError
+from .kafka_security import KafkaSecurity, KafkaSecurityError
 
 EXIT_OK, EXIT_TIMEOUT, EXIT_USAGE = 0, 1, 2  # 1 also: the broker or a topic not there
 
@@ -40,7 +41,8 @@ async def cmd_route(args) -> int:
     if args.account:
         request["account_id"] = args.account
     try:
-        gateway = GatewayClient(args.bootstrap, topic_prefix=args.topic_prefix, reply_topic=args.reply_topic)
+        gateway = GatewayClient(args.bootstrap, topic_prefix=args.topic_prefix, reply_topic=args.reply_topic,
+                                security=args.security)
         codec.encode("RouteRequest", gateway.fill_request(request))  # checked before anything is sent
     except ValueError as e:  # a CodecError too
         print(f"refused: {e}", file=sys.stderr)
@@ -80,7 +82,7 @@ async def cmd_config_set(args) -> int:
         print(f"refused: {e}", file=sys.stderr)
         return EXIT_USAGE
     record = await publish_config(args.bootstrap, settings, topic_prefix=args.topic_prefix,
-                                  author=args.author)
+                                  author=args.author, security=args.security)
     _print(record)
     return EXIT_OK
 
@@ -88,7 +90,8 @@ async def cmd_config_set(args) -> int:
 async def cmd_tail(args) -> int:
     topic = args.topic or args.topic_prefix + DECISIONS
     async for decision in read_decisions(args.bootstrap, topic, from_beginning=args.from_beginning,
-                                         limit=args.limit, idle_timeout=args.idle_exit):
+                                         limit=args.limit, idle_timeout=args.idle_exit,
+                                         security=args.security):
         _print(decision)
     return EXIT_OK
 
@@ -180,6 +183,11 @@ def positive(value: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        args.security = KafkaSecurity.from_env()  # KAFKA_SECURITY_PROTOCOL, ... (docs/security.md)
+    except KafkaSecurityError as e:
+        print(f"refused: {e}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         return asyncio.run(args.run(args))
     except KeyboardInterrupt:

@@ -26,6 +26,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from . import codec
 from .config import PREFIX as SETTING_PREFIX, Config
+from .kafka_security import KafkaSecurity
 from .reply_to import reply_to_problem
 
 log = logging.getLogger(__name__)
@@ -44,18 +45,24 @@ def wall_ms() -> int:
     return int(time.time() * 1000)
 
 
-def make_producer(bootstrap: str) -> AIOKafkaProducer:
+def auth(security: KafkaSecurity | None) -> dict:
+    """aiokafka's keyword arguments for `security` (docs/security.md); none: PLAINTEXT. Every
+    client here takes ``security=``; the command lines pass `KafkaSecurity.from_env()`."""
+    return security.aiokafka_kwargs() if security is not None else {}
+
+
+def make_producer(bootstrap: str, security: KafkaSecurity | None = None) -> AIOKafkaProducer:
     """An unstarted producer as every client here uses it (share one among many ProviderPublishers)."""
     # acks=all: a request the gateway believes sent is on every in-sync replica. linger 0: no
     # batching delay in front of a waiting caller.
     return AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=0,
-                            client_id="switchyard-client")
+                            client_id="switchyard-client", **auth(security))
 
 
 async def ensure_topics(bootstrap: str, topics: Iterable[str], *, partitions: int = 1,
-                        replication_factor: int = 1) -> None:
+                        replication_factor: int = 1, security: KafkaSecurity | None = None) -> None:
     """Create the topics that do not exist yet (an existing one is left as it is)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **auth(security))
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -100,8 +107,9 @@ class GatewayClient:
 
     def __init__(self, bootstrap: str, *, topic_prefix: str = "", reply_topic: str | None = None,
                  max_unclaimed: int = 10_000, max_tracked: int = 200_000, listen_default: bool = False,
-                 create_replication_factor: int = 1):
+                 create_replication_factor: int = 1, security: KafkaSecurity | None = None):
         self.bootstrap = bootstrap
+        self.security = security
         self.prefix = topic_prefix
         self.requests_topic = topic_prefix + REQUESTS
         self.completions_topic = topic_prefix + COMPLETIONS
@@ -139,11 +147,13 @@ class GatewayClient:
 
     async def start(self) -> None:
         self._failure = None  # a failed reply consumer is replaced by this start's
-        await ensure_topics(self.bootstrap, self._listen, replication_factor=self._replication)
-        self._producer = make_producer(self.bootstrap)
+        await ensure_topics(self.bootstrap, self._listen, replication_factor=self._replication,
+                            security=self.security)
+        self._producer = make_producer(self.bootstrap, self.security)
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap, group_id=None, enable_auto_commit=False,
-            auto_offset_reset="latest", fetch_max_wait_ms=100, client_id="switchyard-gateway")
+            auto_offset_reset="latest", fetch_max_wait_ms=100, client_id="switchyard-gateway",
+            **auth(self.security))
         try:
             await self._producer.start()
             await self._consumer.start()
@@ -360,8 +370,9 @@ class ProviderPublisher:
     """
 
     def __init__(self, bootstrap: str, provider_id: str, *, topic_prefix: str = "",
-                 producer: AIOKafkaProducer | None = None):
+                 producer: AIOKafkaProducer | None = None, security: KafkaSecurity | None = None):
         self.bootstrap = bootstrap
+        self.security = security
         self.provider_id = provider_id
         self.topic = topic_prefix + PROVIDERS
         self._producer = producer
@@ -377,7 +388,7 @@ class ProviderPublisher:
 
     async def start(self) -> None:
         if self._own and self._producer is None:
-            self._producer = make_producer(self.bootstrap)
+            self._producer = make_producer(self.bootstrap, self.security)
             await self._producer.start()
 
     async def stop(self) -> None:
@@ -428,13 +439,14 @@ class ConfigPublisher:
     """ConfigChange patches on ``<prefix>switchyard.config`` (key "default", the one routing domain).
     A patch replaces the settings it names, "" resets one to its default, others stay (rules §3)."""
 
-    def __init__(self, bootstrap: str, *, topic_prefix: str = ""):
+    def __init__(self, bootstrap: str, *, topic_prefix: str = "", security: KafkaSecurity | None = None):
         self.bootstrap = bootstrap
+        self.security = security
         self.topic = topic_prefix + CONFIG
         self._producer: AIOKafkaProducer | None = None
 
     async def __aenter__(self) -> "ConfigPublisher":
-        self._producer = make_producer(self.bootstrap)
+        self._producer = make_producer(self.bootstrap, self.security)
         await self._producer.start()
         return self
 
@@ -456,20 +468,20 @@ class ConfigPublisher:
 
 
 async def publish_config(bootstrap: str, settings: Mapping[str, str], *, topic_prefix: str = "",
-                         author: str = "") -> dict:
+                         author: str = "", security: KafkaSecurity | None = None) -> dict:
     """Publish one ConfigChange patch; returns the record sent."""
-    async with ConfigPublisher(bootstrap, topic_prefix=topic_prefix) as pub:
+    async with ConfigPublisher(bootstrap, topic_prefix=topic_prefix, security=security) as pub:
         return await pub.publish(settings, author=author)
 
 
 # === reading decisions ============================================================================
 async def read_decisions(bootstrap: str, topic: str, *, from_beginning: bool = False,
-                         limit: int | None = None, idle_timeout: float | None = None
-                         ) -> AsyncIterator[dict]:
+                         limit: int | None = None, idle_timeout: float | None = None,
+                         security: KafkaSecurity | None = None) -> AsyncIterator[dict]:
     """Yield the RouteDecisions appearing on ``topic`` (from its start, or only new ones), until
     ``limit`` were yielded or nothing arrived for ``idle_timeout`` seconds (None: forever)."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                fetch_max_wait_ms=200, client_id="switchyard-tail")
+                                fetch_max_wait_ms=200, client_id="switchyard-tail", **auth(security))
     await consumer.start()
     try:
         tps = await _partitions(consumer, topic)

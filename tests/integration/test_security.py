@@ -19,6 +19,7 @@ from aiokafka.errors import KafkaConnectionError, TopicAuthorizationFailedError
 
 from streams import codec
 from streams.broker import LocalKafka
+from streams.client import GatewayClient
 from streams.kafka_security import KafkaSecurity, KafkaSecurityError, switchyard_acls
 from tests.integration.kafka_io import produce_events, provider_rows, read_topic, wait_for
 from tests.integration.test_worker import registration
@@ -252,6 +253,13 @@ def test_worker_with_credentials_processes_provider_events_end_to_end(secure_kaf
                         what=f"{pid} heartbeat applied after catch-up")
         assert rows[pid]["session"]
         assert "TopicAuthorizationFailed" not in worker.tail(10_000)
+
+        # The gateway's client, with the gateway's credentials and ACLs (write requests, read decisions).
+        async def route() -> dict:
+            async with GatewayClient(kafka.bootstrap, security=kafka.client_security("gateway", "SCRAM-SHA-512")) as gw:
+                return await gw.route({"model": "gpt-oss-20b", "prompt_tokens": 100}, timeout=30)
+        decision = asyncio.run(route())
+        assert decision["outcome"] == "routed" and decision["provider_id"] == pid, decision
     finally:
         worker.stop()
 

@@ -51,8 +51,9 @@ async def cmd_route(args) -> int:
         try:
             decision = await gw.route(request, timeout=args.timeout)
         except asyncio.TimeoutError:
+            again = " A request id and attempt decided before are not decided again." if args.request_id else ""
             print(f"no decision within {args.timeout:g}s (is a worker running with topic prefix "
-                  f"{args.topic_prefix!r} on {args.bootstrap}?)", file=sys.stderr)
+                  f"{args.topic_prefix!r} on {args.bootstrap}?).{again}", file=sys.stderr)
             return EXIT_TIMEOUT
         _print(decision)
         if decision["outcome"] == "queued" and not args.no_wait:

@@ -34,7 +34,7 @@ from aiokafka.partitioner import DefaultPartitioner
 import faust
 from faust.web import Request as WebRequest, Response, View
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import codec, faust_consumer, faust_table
 from .config import Config
@@ -276,6 +276,21 @@ class QueueDepth:
 
 
 registry.register(QueueDepth())
+
+
+class CoreEvents:
+    """switchyard_core_events_total{event}: the core's own counts (duplicate requests and events,
+    stale heartbeats, unmatched completions, ...), read from its state when /metrics is scraped.
+    They are part of the state, so they carry on across restarts and failovers."""
+
+    def collect(self):
+        family = CounterMetricFamily("switchyard_core_events", "What the core counted, by event", labels=["event"])
+        for event, count in sorted(router.counters.items()):
+            family.add_metric([event], count)
+        yield family
+
+
+registry.register(CoreEvents())
 
 
 async def send_raw(topic: str, key: bytes, value: bytes, partition: int | None = None,

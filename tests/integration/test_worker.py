@@ -242,8 +242,11 @@ def test_a_request_with_an_unusable_sent_at_is_counted_not_timed(world):
         ("unset", "RouteRequest", {"request_id": "unset", "model": "gpt-oss-20b", "prompt_tokens": 100, "sent_at_ms": 0}),
         ("future", "RouteRequest", {"request_id": "future", "model": "gpt-oss-20b", "prompt_tokens": 100,
                                     "sent_at_ms": 4_000_000_000_000}),
+        ("unset", "RouteRequest", {"request_id": "unset", "model": "gpt-oss-20b", "prompt_tokens": 100}),
     ])
-    wait_for(lambda: worker.metric("switchyard_request_sent_at_unusable_total") == 2, what="both counted")
+    wait_for(lambda: worker.metric("switchyard_core_events_total", 'event="duplicate_requests"') == 1,
+             what="the repeated request counted by the core, not decided again")
+    assert worker.metric("switchyard_request_sent_at_unusable_total") == 2
     assert worker.metric("switchyard_decision_latency_seconds_count", 'since="request_sent"') == 0
     assert worker.metric("switchyard_decision_latency_seconds_count", 'since="journal_append"') == 2
     assert 0 < worker.metric("switchyard_journal_lag_seconds") < 30  # read at the scrape: Ticks keep it fresh

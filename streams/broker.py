@@ -269,8 +269,10 @@ class LocalKafka:
 
     def __init__(self, data_dir: str | os.PathLike | None = None, port: int | None = None,
                  *, heap: str = "512m", ready_timeout: float = READY_TIMEOUT_S,
-                 home: str | os.PathLike | None = None, security: "BrokerSecurity | bool | None" = None):
+                 home: str | os.PathLike | None = None, security: "BrokerSecurity | bool | None" = None,
+                 auto_create_topics: bool = True):
         self._given_dir = Path(data_dir) if data_dir is not None else None
+        self._auto_create = auto_create_topics  # off as on most production clusters
         self._port = port
         self._heap = heap
         self._ready_timeout = ready_timeout
@@ -428,7 +430,7 @@ class LocalKafka:
             "share.coordinator.state.topic.replication.factor": "1",
             "share.coordinator.state.topic.min.isr": "1",
             "group.initial.rebalance.delay.ms": "0",
-            "auto.create.topics.enable": "true",
+            "auto.create.topics.enable": "true" if self._auto_create else "false",
             "num.partitions": "1",
             # A restarted broker is refused (DUPLICATE_BROKER_REGISTRATION) until its previous
             # incarnation's session expires: 9 s by default, which made restart() take ~14 s.

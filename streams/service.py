@@ -29,6 +29,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 
 import faust
@@ -218,6 +219,31 @@ def checked(topic: str, key: bytes | None, raw: bytes | None) -> tuple[str, dict
         if problem:
             return None, ("bad_reply_to", problem)
     return name, record
+
+
+REPLY_TOPIC_WAIT_S = 2.0     # how long ingest waits for a reply topic's metadata ...
+REPLY_TOPIC_MISSING_S = 10.0  # ... and for how long it then refuses that name without asking
+missing_reply_topics: dict[str, float] = {}
+
+
+async def reply_topic_exists(topic: str) -> bool:
+    """Whether the worker can send to a request's reply topic. Asked at ingest, not when the
+    decision is sent: a send to a topic that is not there (a cluster without topic auto-creation)
+    would wait for its metadata inside the apply loop, for every entry behind it, and fail."""
+    client = app.producer._producer.client
+    if client.cluster.partitions_for_topic(topic):
+        return True
+    if missing_reply_topics.get(topic, 0.0) > time.monotonic():
+        return False
+    try:
+        await asyncio.wait_for(client._wait_on_metadata(topic), REPLY_TOPIC_WAIT_S)
+        return True
+    except (asyncio.TimeoutError, KafkaError):
+        client._topics.discard(topic)  # not asked for again with every metadata refresh
+        missing_reply_topics[topic] = time.monotonic() + REPLY_TOPIC_MISSING_S
+        if len(missing_reply_topics) > 10_000:
+            missing_reply_topics.clear()
+        return False
 
 
 # --- the router -----------------------------------------------------------------------------------
@@ -575,6 +601,9 @@ class Active:
                         await self.room.wait()
                         HELD_BACK.inc(time.perf_counter() - waited)
                     name, record = checked(tp.topic, r.key, r.value)
+                    if name == "RouteRequest" and record.get("reply_to") and \
+                            not await reply_topic_exists(record["reply_to"]):
+                        name, record = None, ("bad_reply_to", f"{record['reply_to']!r}: no such topic")
                     if name is None:
                         await dead_letter(r, *record)
                         continue

@@ -2,7 +2,8 @@
 produced as raw bytes to the four input topics — clean fleet traffic, hostile-but-decodable events
 (NaN and Inf, negative and huge numbers, absurd KV rates, thousands of slots, unknown models, empty
 versions, replayed old sequence numbers, exact duplicates), keys that do not match the provider id,
-record types a topic does not carry, and undecodable bytes (bad magic, unknown schema ids,
+record types a topic does not carry, requests naming reply topics the worker may not write (its own
+topics, other deployments' topics, illegal names), and undecodable bytes (bad magic, unknown schema ids,
 truncated frames, trailing bytes, garbage bodies, empty values and null tombstones).
 
 One worker ingests them all (a module fixture); the tests then check that the worker is alive and
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import struct
 import time
 import uuid
@@ -59,8 +61,12 @@ class Msg:
     expect: str             # "accept", or the dead-letter reason
 
 
-def expected(topic: str, key: bytes | None, value: bytes | None) -> str:
-    """What ingest must do with a message (streams/service.py `refusal`, stated independently)."""
+WORKER_OWNED = ("providers", "requests", "completions", "config", "journal", "lease", "reservations", "capacity",
+                "deadletter")
+
+
+def expected(topic: str, key: bytes | None, value: bytes | None, prefix: str) -> str:
+    """What ingest must do with a message (streams/service.py `checked`, stated independently)."""
     if value is None or value == b"":
         return "empty"
     try:
@@ -71,6 +77,12 @@ def expected(topic: str, key: bytes | None, value: bytes | None) -> str:
         return "unexpected_type"
     if topic == "providers" and (key is None or key.decode("utf-8", "replace") != (record.get("provider_id") or "")):
         return "key_mismatch"
+    reply_to = record.get("reply_to") if name == "RouteRequest" else None
+    if reply_to:  # a legal name under the deployment's topics, not the worker's own (this broker creates it)
+        legal = re.fullmatch(r"[A-Za-z0-9._-]{1,249}", reply_to) and reply_to not in (".", "..")
+        if not legal or not reply_to.startswith(prefix + "switchyard.") or \
+                reply_to in {prefix + "switchyard." + t for t in WORKER_OWNED}:
+            return "bad_reply_to"
     return "accept"
 
 
@@ -83,10 +95,11 @@ INTENT = {
     "trailing": {"trailing_bytes"}, "empty": {"empty"}, "tombstone": {"empty"},
     "garbage_body": {"accept", "truncated", "malformed_avro", "trailing_bytes", "unexpected_type",
                      "key_mismatch"},
+    "reply_to": {"accept", "bad_reply_to"},
 }
 WEIGHTS = {"good": 15, "hostile": 35, "stale_seq": 3, "duplicate": 3, "key_mismatch": 5, "wrong_type": 5,
            "bad_magic": 7, "unknown_schema_id": 6, "truncated": 7, "trailing": 5, "garbage_body": 6,
-           "empty": 1.5, "tombstone": 1.5}
+           "empty": 1.5, "tombstone": 1.5, "reply_to": 3}
 
 
 def good_event(rng: random.Random, seqs: dict, n: int) -> tuple[str, str, dict]:
@@ -132,7 +145,7 @@ def hostile_event(rng: random.Random) -> tuple[str, dict]:
     return kind, record
 
 
-def generate(n: int, seed: int) -> list[Msg]:
+def generate(n: int, seed: int, prefix: str) -> list[Msg]:
     rng = random.Random(seed)
     kinds, weights = list(WEIGHTS), list(WEIGHTS.values())
     seqs: dict[str, int] = {}
@@ -197,11 +210,20 @@ def generate(n: int, seed: int) -> list[Msg]:
                 value = full + rng.randbytes(rng.randrange(1, 40))
             else:
                 value = full[:5] + rng.randbytes(rng.randrange(0, 120))
+        elif kind == "reply_to":
+            topic, name, record = "requests", "RouteRequest", {
+                "request_id": f"rt{i}", "model": "gpt-oss-20b", "prompt_tokens": 100, "sent_at_ms": wall_ms(),
+                "reply_to": rng.choice([prefix + "switchyard.journal", prefix + "switchyard.lease",
+                                        prefix + "switchyard.providers", "switchyard.decisions",
+                                        "switchyard-fz-core-changelog", prefix + "switchyard.replies/x",
+                                        prefix + "switchyard." + "r" * 300, prefix + "switchyard.replies.fz",
+                                        prefix + "switchyard.decisions"])}
+            key, value = record["request_id"].encode(), codec.encode(name, record)
         elif kind == "empty":
             key, value = b"a", b""
         else:  # tombstone: a null value
             key, value = b"a", None
-        msg = Msg(topic, key, value, kind, expected(topic, key, value))
+        msg = Msg(topic, key, value, kind, expected(topic, key, value, prefix))
         assert msg.expect in INTENT[kind], (kind, msg.expect, value[:40] if value else value)
         if msg.expect == "accept":
             accepted.append(msg)
@@ -248,7 +270,7 @@ def fuzzed(kafka_bootstrap, tmp_path_factory):
     tag = uuid.uuid4().hex[:8]
     prefix, app_id = f"fz{tag}.", f"switchyard-fz{tag}"
     t_gen = time.monotonic()
-    messages = generate(MESSAGES, SEED)
+    messages = generate(MESSAGES, SEED, prefix)
     gen_s = time.monotonic() - t_gen
     worker = Worker(kafka_bootstrap, tmp_path_factory.mktemp("fuzz") / "worker", app_id, prefix)
     worker.start()

@@ -815,10 +815,10 @@ class Active:
             self.journal.assign([JOURNAL])
             end = (await self.journal.end_offsets([JOURNAL]))[JOURNAL]
             if router.offset >= end:
-                router = Router()  # what /metrics shows is not another journal's
-                raise ForeignState(f"the table's state is at journal offset {router.offset}, but "
-                                   f"{JOURNAL.topic} ends before {end}: it is another journal's state (a "
-                                   f"journal deleted and made again?); give this one its own SWITCHYARD_APP_ID")
+                state_at, router = router.offset, Router()  # what /metrics shows is not another journal's
+                raise ForeignState(f"the table's state is at journal offset {state_at}, but {JOURNAL.topic} "
+                                   f"ends before {end}: it is another journal's state (a journal deleted and "
+                                   f"made again?); give this one its own SWITCHYARD_APP_ID")
             batch = Batch()
             await self._read_journal(end, batch)
             await self._save(batch)

@@ -140,6 +140,9 @@ JOURNAL = TopicPartition(journal_topic.get_topic_name(), 0)
 # Names the hot path uses, resolved once (Faust's get_topic_name derives it again at every call).
 PROVIDERS_TOPIC, DECISIONS_TOPIC, RESERVATIONS_TOPIC = (
     t.get_topic_name() for t in (providers_topic, decisions_topic, reservations_topic))
+# The outputs' topics the worker declares itself; any other is a request's reply topic.
+OWN_OUTPUTS = frozenset(t.get_topic_name() for t in (decisions_topic, reservations_topic, capacity_topic,
+                                                     deadletter_topic))
 
 INPUTS = {
     providers_topic.get_topic_name(): codec.PROVIDER_TYPES,
@@ -246,6 +249,17 @@ async def reply_topic_exists(topic: str) -> bool:
         return False
 
 
+async def reply_destination(topic: str) -> str:
+    """Where a decision for `topic` (a request's reply topic) goes: there, or to the default topic
+    if it is not there any more (deleted after its request was ingested: a gateway's private topic
+    removed before a restart re-sends or re-applies its entries), so the apply loop never waits on
+    a topic that will not come."""
+    if app.producer._producer.client.cluster.partitions_for_topic(topic) or await reply_topic_exists(topic):
+        return topic
+    REDIRECTED.inc()
+    return DECISIONS_TOPIC
+
+
 # --- the router -----------------------------------------------------------------------------------
 warm_up_scan_kernel()  # before the worker starts: not on the first request's path
 router = Router()
@@ -271,6 +285,9 @@ JOURNAL_LAG = Gauge("switchyard_journal_lag_seconds", "Wall time minus the last 
 # A request's sent_at_ms is the gateway's clock: 0 (unset), skewed or replayed ones are counted, not
 # observed, so one request cannot move the request_sent histogram's sum for the life of the process.
 SENT_AT_SKEW_S, SENT_AT_MAX_AGE_S = 5.0, 3600.0
+REDIRECTED = Counter("switchyard_decisions_redirected_total",
+                     "Decisions sent to the default topic because their reply topic was not there any "
+                     "more (deleted after the request was ingested)", registry=registry)
 SENT_AT_UNUSABLE = Counter("switchyard_request_sent_at_unusable_total",
                            "Decided requests whose sent_at_ms is unset, over 5 s ahead or over an hour "
                            "old: left out of the request_sent latency", registry=registry)
@@ -647,7 +664,9 @@ class Active:
             self.worker_settings = {k: v for k, v in record["settings"].items() if v != ""}
             self.worker_settings_changed = True
         messages = encode_outputs_safely(outputs, (offset, entry_ms, key, raw))
-        for topic, k, data in messages:
+        for n, (topic, k, data) in enumerate(messages):
+            if topic not in OWN_OUTPUTS:  # a request's reply topic
+                messages[n] = (topic := await reply_destination(topic), k, data)
             batch.futures.append(await send_raw(topic, k, data))
         batch.outputs.append((offset, messages))
         observe(outputs, entry_ms, record if name == "RouteRequest" else None)
@@ -767,6 +786,8 @@ class Active:
         futures = []
         for _, messages in outbox:
             for topic, key, data in messages:
+                if topic not in OWN_OUTPUTS:
+                    topic = await reply_destination(topic)
                 futures.append(await send_raw(topic, key, data))
             RESENT.inc()
         self.flushed = router.offset if not outbox else -1

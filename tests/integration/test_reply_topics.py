@@ -48,3 +48,24 @@ def test_a_reply_topic_that_is_not_there_is_dead_lettered_and_deciding_goes_on(s
         assert journal_types(strict_kafka, prefix + "switchyard.journal") == ["RouteRequest"] * 2
     finally:
         worker.stop()
+
+
+def test_a_decision_whose_reply_topic_went_away_goes_to_the_default_topic(strict_kafka, tmp_path):
+    tag = uuid.uuid4().hex[:8]
+    prefix = f"g{tag}."
+    worker = Worker(strict_kafka, tmp_path / "worker", f"switchyard-g{tag}", prefix).start()
+    try:
+        # An entry whose reply topic is not there (any more): appended straight to the journal, as a
+        # worker that ingested it before its topic was deleted would have. This worker applies it
+        # when its own next append finds the journal longer than it left it.
+        produce_events(strict_kafka, prefix + "switchyard.journal", [("default", "RouteRequest", {
+            "request_id": "to-gone", "model": "gpt-oss-20b", "prompt_tokens": 100,
+            "reply_to": prefix + "switchyard.replies.gone"})])
+        produce_events(strict_kafka, prefix + "switchyard.requests", [("after", "RouteRequest", {
+            "request_id": "after", "model": "gpt-oss-20b", "prompt_tokens": 100})])
+        default = wait_for(lambda: (d := read_topic(strict_kafka, prefix + "switchyard.decisions")) and len(d) >= 2
+                           and d, timeout=30, what="both decisions on the default topic")
+        assert sorted(codec.decode(r.value)[1]["request_id"] for r in default) == ["after", "to-gone"]
+        assert worker.metric("switchyard_decisions_redirected_total") == 1
+    finally:
+        worker.stop()

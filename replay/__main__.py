@@ -234,9 +234,7 @@ def main(argv=None) -> int:
     try:
         args.security = KafkaSecurity.from_env()  # for --bootstrap: KAFKA_SECURITY_PROTOCOL, ... (docs/security.md)
         return args.func(args)
-    except KafkaSecurityError as e:
-        return _refuse(str(e))
-    except JournalIncomplete as e:
+    except (KafkaSecurityError, JournalIncomplete) as e:
         return _refuse(str(e))
     except OSError as e:  # a journal file that is not there, a directory, unreadable
         return _refuse(f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))

@@ -219,9 +219,9 @@ class GatewayClient:
             raise ValueError(f"request {key} is already awaiting its decision")
         if key in self._abandoned:
             raise ValueError(f"request {key} was given up on and cancelled: try again as attempt {key[1] + 1}")
-        problem = reply_to_problem(req["reply_to"], self.prefix)
-        if problem:  # fails before anything is sent, as the worker would refuse it
-            raise ValueError(f"reply_to: {problem}")
+        problem = req["reply_to"] != self.reply_topic and reply_to_problem(req["reply_to"], self.prefix)
+        if problem:  # fails before anything is sent, as the worker would refuse it (this client's
+            raise ValueError(f"reply_to: {problem}")  # own reply topic was checked when it was built)
         value = codec.encode("RouteRequest", req)  # fails before anything is sent
         fut = asyncio.get_running_loop().create_future()
         self._first[key] = fut  # registered before sending: a fast reply cannot slip past
@@ -241,9 +241,7 @@ class GatewayClient:
     def _abandon(self, key: Key) -> None:
         """Cancel a request nobody waits for any more, in the background (its caller may be
         being cancelled itself); `stop` waits for these sends."""
-        self._abandoned[key] = None
-        while len(self._abandoned) > self._max_tracked:
-            self._abandoned.popitem(last=False)
+        self._track(key, self._abandoned)
         self._unclaimed.pop(key, None)
         task = asyncio.ensure_future(self.cancel(*key))
         self._cancels.add(task)
@@ -306,11 +304,13 @@ class GatewayClient:
         if self._failure is not None:
             raise RuntimeError("the reply consumer failed") from self._failure
 
-    def _track(self, key: Key) -> None:
-        self._sent[key] = None
-        self._sent.move_to_end(key)
-        while len(self._sent) > self._max_tracked:
-            self._sent.popitem(last=False)
+    def _track(self, key: Key, keys: OrderedDict | None = None) -> None:
+        """Remember `key` in `keys` (default: the identities sent), the newest `max_tracked`."""
+        keys = self._sent if keys is None else keys
+        keys[key] = None
+        keys.move_to_end(key)
+        while len(keys) > self._max_tracked:
+            keys.popitem(last=False)
 
     async def _consume(self) -> None:
         try:

@@ -252,9 +252,10 @@ async def reply_topic_exists(topic: str) -> bool:
 async def reply_destination(topic: str) -> str:
     """Where a decision for `topic` (a request's reply topic) goes: there, or to the default topic
     if it is not there any more (deleted after its request was ingested: a gateway's private topic
-    removed before a restart re-sends or re-applies its entries), so the apply loop never waits on
-    a topic that will not come."""
-    if app.producer._producer.client.cluster.partitions_for_topic(topic) or await reply_topic_exists(topic):
+    removed before a restart re-sends or re-applies its entries), or if it is not one the worker
+    may write (an entry appended before ingest checked reply_to), so the apply loop never waits on
+    a topic that will not come and never writes its own."""
+    if not reply_to_problem(topic, TOPIC_PREFIX) and await reply_topic_exists(topic):
         return topic
     REDIRECTED.inc()
     return DECISIONS_TOPIC
@@ -287,7 +288,8 @@ JOURNAL_LAG = Gauge("switchyard_journal_lag_seconds", "Wall time minus the last 
 SENT_AT_SKEW_S, SENT_AT_MAX_AGE_S = 5.0, 3600.0
 REDIRECTED = Counter("switchyard_decisions_redirected_total",
                      "Decisions sent to the default topic because their reply topic was not there any "
-                     "more (deleted after the request was ingested)", registry=registry)
+                     "more (deleted after the request was ingested) or not one the worker may write",
+                     registry=registry)
 SENT_AT_UNUSABLE = Counter("switchyard_request_sent_at_unusable_total",
                            "Decided requests whose sent_at_ms is unset, over 5 s ahead or over an hour "
                            "old: left out of the request_sent latency", registry=registry)
@@ -370,9 +372,7 @@ class ReplyTopics:
         self.dirty: set[tuple[str, int]] = set()
 
     def note(self, name: str, record: dict) -> None:
-        # An entry appended before ingest checked reply_to may name any topic: its decisions go to
-        # the default one, since a send to an illegal name would fail the entry at every retry.
-        if name == "RouteRequest" and record.get("reply_to") and not reply_to_problem(record["reply_to"], TOPIC_PREFIX):
+        if name == "RouteRequest" and record.get("reply_to"):
             k = (record.get("request_id"), record.get("attempt"))
             self.by_request[k] = record["reply_to"]
             self.dirty.add(k)
